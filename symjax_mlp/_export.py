@@ -18,6 +18,7 @@ import numpy as np
 
 from symjax_mlp import _export_options as options
 from symjax_mlp import _selftest as selftest
+from symjax_mlp._artifact import jaxconfig
 from symjax_mlp._artifact.format import (
     FORMAT,
     JAXEXPORT,
@@ -137,10 +138,8 @@ def export(
     tolerance = tolerance_option(self_test_tolerance)  # None: load's default
     created = options.created_at()  # SOURCE_DATE_EPOCH's, checked before any work
     path, names = Path(path), list(points)
-    staged = [
-        stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
-        for i, n in enumerate(names)
-    ]
+    staged = [stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
+              for i, n in enumerate(names)]  # fmt: skip
     shared = _shared_params(names, staged)
     _check_target(path, overwrite)  # fail before the work, not after it
     files: dict[str, bytes] = {}
@@ -206,6 +205,7 @@ def export(
         **({"self_test_tolerance": tolerance} if tolerance else {}),
         "metadata": meta,
         "versions": _versions(),
+        **({"jax_config": c} if (c := jaxconfig.recorded()) else {}),  # what shaped the program
         "platforms": list(platforms),
         **{k: main[k] for k in (*_DEVICES, "signature", "rows")},
         "params": [s.to_json() for s in specs],

@@ -67,6 +67,8 @@ def load(
     Checks, in order: the signature (``verify_signature``); the manifest, every sha256, the
     format, platform, device count and params; the program's ops against an allow-list. Only
     then does a runtime compile it. A stranger's artifact is a program: see RELIABILITY.md.
+    The program holds the JAX settings it was exported under (the manifest's ``jax_config``, a
+    matmul precision): this process's never change it, so where they differ load says nothing.
 
     Args:
       path: the artifact directory.

@@ -1,6 +1,6 @@
 """Reads of a file that never follow a link or block on a FIFO, check its size first and hash
 what they read; a refusal names the file, what is wrong with it and its fix (or the caller's:
-a checkpoint's)."""
+a checkpoint's); and the bound on what such a read's JSON may hold once parsed."""
 
 from __future__ import annotations
 
@@ -153,3 +153,10 @@ def hash_regular(
     with Reader(file, size=size, error=error) as r:
         r.skip(r.size)
         return r.finish(sha256)
+
+
+def too_many_values(data: bytes | bytearray, limit: int) -> str | None:
+    """Why JSON ``data`` may hold more than ``limit`` values (each ``,`` ``[`` ``{`` counted),
+    or ``None``: ``[]`` is 2 bytes of text and 150 of Python's memory once parsed."""
+    n = data.count(b",") + data.count(b"[") + data.count(b"{")
+    return f"holds up to {n:,} JSON values, more than the {limit:,} allowed" if n > limit else None

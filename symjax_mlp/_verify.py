@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
+from symjax_mlp._artifact.jaxconfig import shown
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import (
@@ -35,7 +36,7 @@ from symjax_mlp._errors import (
 )
 from symjax_mlp._load import RUNTIMES, check_admits, load
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
+from symjax_mlp._npy import KEY_IMPLS, arrays, draw, host, npy_array
 from symjax_mlp._selftest import as_traced
 from symjax_mlp._signing import check as check_signature
 from symjax_mlp._specs import TensorSpec
@@ -69,6 +70,7 @@ class VerifyReport:
       load_seconds: per runtime, the time ``load`` took in the fresh process.
       errors: failures of a whole runtime or of the fresh process itself.
       skipped: the batch sizes asked for that the artifact's constraints refuse, each why.
+      jax_config: the JAX settings the artifact was exported under (``Artifact.jax_config``).
     """
 
     path: Path
@@ -79,6 +81,7 @@ class VerifyReport:
     load_seconds: Mapping[str, float]
     errors: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+    jax_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -93,7 +96,7 @@ class VerifyReport:
         return {"path": str(self.path), "ok": self.ok, "reference": self.reference,
                 "rtol": self.rtol, "atol": self.atol, "checks": checks,
                 "load_seconds": dict(self.load_seconds), "errors": list(self.errors),
-                "skipped": list(self.skipped)}  # fmt: skip
+                "skipped": list(self.skipped), "jax_config": dict(self.jax_config)}  # fmt: skip
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # a notebook shows the table, as print
         p.text(str(self))
@@ -103,6 +106,7 @@ class VerifyReport:
         lines = [
             f"verify {printable(str(self.path))}: {'OK' if self.ok else 'FAILED'}",
             f"  reference: {self.reference}; rtol {self.rtol:g}, atol {self.atol:g}",
+            f"  exported under {shown(self.jax_config)} (the reference runs under this process's)",
             f"  load in a fresh process: {loads or '-'}",
         ]
         lines += [str(c) for c in self.checks]
@@ -242,14 +246,10 @@ def verify(
         (work / "job.json").write_text(json.dumps(job))
         code = "import sys; from symjax_mlp._verify import _worker; sys.exit(_worker(sys.argv[1]))"
         try:
-            proc = subprocess.run(
-                [sys.executable, "-c", code, str(work / "job.json")],
-                cwd=work,
-                env={**os.environ, "JAX_ENABLE_X64": str(int(jax.config.jax_enable_x64))},
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
+            env = {**os.environ, "JAX_ENABLE_X64": str(int(jax.config.jax_enable_x64))}
+            argv = [sys.executable, "-c", code, str(work / "job.json")]
+            proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
+                                  timeout=timeout)  # fmt: skip
         except subprocess.TimeoutExpired:
             return _failed(art.path, rtol, atol, f"the fresh process ran past {timeout:g} s")
         if proc.returncode != 0 or not (work / "result.json").exists():
@@ -276,7 +276,7 @@ def verify(
                 checks.append(_compare(rt, b, outs, want, rtol, atol))
     loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
     return VerifyReport(
-        art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors), skipped
+        art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors), skipped, art.jax_config
     )
 
 
@@ -390,8 +390,7 @@ def _worker(job_file: str) -> int:
             for b, names in job["batches"].items():
                 with jax.transfer_guard("allow"):  # JAX_TRANSFER_GUARD: verify's own inputs
                     xs = as_traced(model.signature, [_read(work, n, job["dtypes"]) for n in names])
-                    outs = _as_list(model(*xs))
-                    outs = [host(y) for y in outs]  # an rng key: its key data
+                    outs = arrays(model(*xs))  # an rng key: its key data
                 entry["outputs"][b] = _write(work, f"y_{rt}_{b}", outs, entry["dtypes"])
         except SymjaxError as e:
             entry = {"error": f"{type(e).__name__}: {e}"}

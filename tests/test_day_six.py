@@ -84,13 +84,14 @@ def test_two_exports_of_one_model_are_the_same_bytes(tmp_path, monkeypatch):
     a, b = _export(tmp_path / "a"), _export(tmp_path / "b")
     code = (
         "import jax, jax.numpy as jnp, symjax_mlp as sm\n"
+        f"for k, v in {sm.inspect(a).jax_config!r}.items(): jax.config.update(k, v)\n"
         "net, x = sm.mlp((8, 2)), jnp.ones((3, 4))\n"
         "h = sm.hybridize(net, net.init(jax.random.key(0), x))\n"
         f"sm.export(h, {str(tmp_path / 'c')!r}, example=x, metadata={_CARD!r})\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "SOURCE_DATE_EPOCH": _EPOCH}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
-    assert _files(a) == _files(b) == _files(tmp_path / "c")
+    assert _files(a) == _files(b) == _files(tmp_path / "c")  # given the settings a records
     created = json.loads((a / "manifest.json").read_text())["created"]
     epoch = datetime.datetime.fromtimestamp(int(_EPOCH), datetime.UTC)
     assert datetime.datetime.fromisoformat(created) == epoch
@@ -160,8 +161,11 @@ def test_verify_against_a_teammates_artifact_path_says_to_load_it(tmp_path):
 
 
 _TRAIN_AND_EXPORT = """
-import sys
+import json, sys
+import jax
 import symjax_mlp as sm
+for name, value in json.loads(sys.argv[2]).items():
+    jax.config.update(name, value)
 from symjax_mlp.training import load_digits, train
 result = train(sm.mlp((16, 10)), load_digits(), epochs=1, seed=3)
 result.export(sys.argv[1])
@@ -173,15 +177,17 @@ def test_one_seed_trained_in_two_processes_exports_the_same_bytes(tmp_path, monk
     """The artifact-evaluation committee's check: ``train`` with one seed here and in a fresh
     process (another PYTHONHASHSEED) gives bitwise-equal params, and their exports (which
     carry the data's standardisation as metadata: two keys in params.safetensors) the same
-    bytes; params.safetensors and the manifest differed before."""
+    bytes; params.safetensors and the manifest differed before. The fresh process runs under
+    the JAX settings the export here records (none, unless an import such as dynamax's set
+    one for this whole process: then the same program, its manifest saying so)."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", _EPOCH)
-    env = {**os.environ, "PYTHONHASHSEED": "777"}
-    there = tmp_path / "there"
-    subprocess.run([sys.executable, "-c", _TRAIN_AND_EXPORT, str(there)], env=env, check=True,
-                   timeout=300)  # fmt: skip
     here = tmp_path / "here"
     result = sm.training.train(sm.mlp((16, 10)), sm.training.load_digits(), epochs=1, seed=3)
     result.export(here)
+    env = {**os.environ, "PYTHONHASHSEED": "777"}
+    there, settings = tmp_path / "there", json.dumps(sm.inspect(here).jax_config)
+    subprocess.run([sys.executable, "-c", _TRAIN_AND_EXPORT, str(there), settings], env=env,
+                   check=True, timeout=300)  # fmt: skip
     assert _files(here) == _files(there)
     assert all(np.array_equal(v, sm.load(there).params[k]) for k, v in sm.load(here).params.items())
 

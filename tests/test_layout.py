@@ -44,6 +44,7 @@ STAGES = (
     "symjax_mlp._hybrid.hybrid",
     "symjax_mlp._hybrid.make",
     "symjax_mlp._hybrid",
+    "symjax_mlp._artifact.jaxconfig",
     "symjax_mlp._artifact.format",
     "symjax_mlp._artifact.signature",
     "symjax_mlp._artifact.weights",

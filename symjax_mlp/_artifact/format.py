@@ -10,9 +10,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from symjax_mlp._artifact import jaxconfig
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import MANIFEST, looked_up
-from symjax_mlp._reader import read_regular
+from symjax_mlp._reader import read_regular, too_many_values
 
 FORMAT = "symjax_mlp.artifact"
 FORMAT_VERSION = 3  # 3: Signature.format_version; 1: before 0.5, with model.mlir (read as 2)
@@ -105,13 +106,6 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def too_many_values(data: bytes | bytearray, limit: int) -> str | None:
-    """Why JSON ``data`` may hold more than ``limit`` values (each ``,`` ``[`` ``{`` counted),
-    or ``None``: ``[]`` is 2 bytes of text and 150 of Python's memory once parsed."""
-    n = data.count(b",") + data.count(b"[") + data.count(b"{")
-    return f"holds up to {n:,} JSON values, more than the {limit:,} allowed" if n > limit else None
-
-
 def depth(x: Any) -> int:
     """How deeply JSON data nests its lists and objects (a scalar: 0), without recursion."""
     deepest, todo = 0, [(x, 1)]
@@ -154,6 +148,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("self_test_tolerance", m.get("self_test_tolerance", {"rtol": 0, "atol": 0}), tolerance,
          f'{{"rtol": r, "atol": a}}, each a number from 0 to {MAX_TOLERANCE}'),
         ("entry", m.get("entry", "main"), is_entry_name, "an entry point name"),
+        ("jax_config", m.get("jax_config", {}), jaxconfig.valid, jaxconfig.SCHEMA),
         ("entries", m.get("entries", {}),
          lambda v: isinstance(v, dict) and len(v) < MAX_ENTRIES
          and all(is_entry_name(k) and isinstance(e, dict) for k, e in v.items())

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._artifact import checker
+from symjax_mlp._artifact import checker, jaxconfig
 from symjax_mlp._artifact.format import (
     CORE_FILES,
     JAXEXPORT,
@@ -93,6 +93,13 @@ class Artifact:
         return tuple(self.manifest["platforms"])
 
     @property
+    def jax_config(self) -> dict[str, Any]:
+        """The process-wide JAX settings the program was exported under that write another
+        program than JAX's defaults, e.g. ``{"jax_default_matmul_precision": "float32"}``
+        (``{}``: none). The program holds them: a process that loads it runs it as written."""
+        return thaw(self.manifest.get("jax_config", {}))
+
+    @property
     def params(self) -> tuple[TensorSpec, ...]:
         """The param tree, flattened: one :class:`TensorSpec` per param, in call order."""
         return tuple(TensorSpec.from_json(p) for p in self.manifest["params"])
@@ -165,6 +172,7 @@ class Artifact:
             f"platforms  {', '.join(self.platforms)}   devices {m['nr_devices']}   "
             f"calling convention {m['calling_convention_version']}",
             "versions   " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+            f"jax config {jaxconfig.shown(self.jax_config)} (the export's; the program holds it)",
             f"params     {len(self.params)} tensors, {n_values:,} values",
         ]
         lines += [f"  {p}" for p in self.params]

@@ -26,7 +26,6 @@ from symjax_mlp._artifact.format import (
     is_size,
     printable,
     show,
-    too_many_values,
     unique_pairs,
 )
 from symjax_mlp._errors import (
@@ -36,7 +35,7 @@ from symjax_mlp._errors import (
     ConfigError,
     SymjaxError,
 )
-from symjax_mlp._reader import Reader, refusal
+from symjax_mlp._reader import Reader, refusal, too_many_values
 from symjax_mlp._specs import TensorSpec, cast_to
 
 _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtypes, as in JAX)
