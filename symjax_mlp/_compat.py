@@ -90,13 +90,18 @@ def skipping_lapack(custom_calls: Any) -> Iterator[None]:
 
 # -- 3. an export without this machine's source locations ----------------------------------
 # Why: jax.export writes each op's Python source location (local paths); without them a model
-# exports to the same bytes anywhere. Internal: jax._src.config.traceback_in_locations_limit,
-# scoped to this thread (jax.config.update is global). Fallback: the locations stay.
-def without_source_locations() -> contextlib.AbstractContextManager:
+# exports to the same bytes anywhere. Internal: jax._src.config.traceback_in_locations_limit
+# and include_full_tracebacks_in_locations (off, JAX writes the user's frame whatever the
+# limit), scoped to this thread (jax.config.update is global). Fallback: the locations stay.
+@contextlib.contextmanager
+def without_source_locations() -> Iterator[None]:
     """A block whose exports carry no Python source locations (where this JAX allows)."""
     config = sys.modules.get("jax._src.config") if INTERNALS["source_locations"] else None
     limit = getattr(config, "traceback_in_locations_limit", None)
-    return limit(0) if limit is not None else contextlib.nullcontext()
+    full = getattr(config, "include_full_tracebacks_in_locations", None)
+    none = contextlib.nullcontext()  # (reusable)
+    with none if limit is None else limit(0), none if full is None else full(True):
+        yield
 
 
 # -- 4. whether JAX's backend has started ---------------------------------------------------

@@ -26,6 +26,7 @@ from symjax_mlp._artifact.format import (
     printable,
     tolerance,
 )
+from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ConfigError, SignatureError, first_line
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._selftest import TOLERANCE
@@ -334,7 +335,8 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
     # off the caller's mesh where exported is one device's program (staged off a mesh of
     # Explicit axes, see trace_placed): its VJP is built as its forward was (built on the mesh,
     # jax.grad of the loaded model failed 'expects static assert_what' for a symbolic batch)
-    with jax.set_mesh(None) if exported.nr_devices == 1 else contextlib.nullcontext():
+    mesh = jax.set_mesh(None) if exported.nr_devices == 1 else contextlib.nullcontext()
+    with mesh, without_source_locations():  # the VJPs' too: no path or line of this machine
         try:
             return bytes(exported.serialize(vjp_order=vjp_order))
         except jax.errors.InconclusiveDimensionOperation as e:
