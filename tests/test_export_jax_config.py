@@ -198,3 +198,23 @@ def test_a_fresh_process_with_the_recorded_settings_writes_the_same_bytes(tmp_pa
     assert report.ok and report.jax_config == {"jax_default_matmul_precision": "float32"}
     assert "exported under jax_default_matmul_precision=float32" in str(report)
     assert report.to_dict()["jax_config"] == report.jax_config
+
+
+@pytest.mark.slow  # four exports of a program and its VJP: seconds
+def test_a_vjp_program_carries_no_path_or_line_of_this_machine(tmp_path, monkeypatch):
+    """``vjp_order=1`` wrote the VJP programs with Python source locations: this checkout's
+    path (``.../symjax_mlp/_export.py``) and the caller's line, so one model exported from two
+    lines of a script (or two checkouts) differed byte for byte. And with
+    ``jax_include_full_tracebacks_in_locations`` off, JAX wrote the user's frame in the
+    forward program too, whatever the limit export set."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", _EPOCH)
+    h = sm.hybridize(lambda p, x: jax.nn.softmax(x @ p), jnp.ones((4, 2)))
+    x = jnp.ones((3, 4))
+    one = sm.export(h, tmp_path / "one", example=x, vjp_order=1)
+    two = sm.export(h, tmp_path / "two", example=x, vjp_order=1)  # another line
+    with _setting("jax_include_full_tracebacks_in_locations", False):
+        short = sm.export(h, tmp_path / "short", example=x, vjp_order=1)
+    assert _files(one.path) == _files(two.path) == _files(short.path)
+    program = jax.export.deserialize(bytearray((one.path / "model.jaxexport").read_bytes()))
+    text = program.mlir_module() + program.vjp().mlir_module()
+    assert os.path.basename(__file__) not in text and "symjax_mlp/" not in text
