@@ -484,6 +484,7 @@ def test_max_connections_and_the_apps_lone_request_read_one_count_of_connections
                 assert "has 3 connections open, past max_connections=2" in raw.decode(), raw
             _until(lambda: count[0] == 0, f"{count[0]} connections counted once all closed")
             assert _post(url, body) == (200, b'{"outputs":[[1.0,2.0]]}')
+            _until(lambda: count[0] == 0, "the answered connection was never counted closed")
             count[0] = 2  # as the app reads it: a request alone, or one of two (test_serving)
             code, raw = _post(url, body)  # 3 now: past max_connections=2, as it opens
             assert code == 503 and "has 3 connections open" in raw.decode(), raw
