@@ -176,7 +176,7 @@ def export(
                 "mlir_arguments": mlir_arguments(
                     exported, [*own, *(s.path for s in signature.inputs)]
                 ),
-                "static": options.shown(entry.static),
+                "static": options.shown(entry.static, entry.h.variables),
                 "program_files": roles,
                 "nr_devices": exported.nr_devices,
                 "calling_convention_version": exported.calling_convention_version,

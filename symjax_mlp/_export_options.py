@@ -29,6 +29,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ConfigError, SignatureError, first_line
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.params import param_fields
 from symjax_mlp._selftest import TOLERANCE
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -145,10 +146,12 @@ def created_at() -> datetime.datetime:
     raise ConfigError(_EPOCH.format(value=value))
 
 
-def shown(static: Iterable[tuple[Any, Any, Any]]) -> dict[str, str]:
-    """The static settings by place, as the manifest shows them: each repr without a memory
-    address (``<function act at 0x7f..>``: one model's manifest differed run to run), a set's
-    items sorted (the order a set of strings iterates in is PYTHONHASHSEED's, each process's)."""
+def shown(static: Iterable[tuple[Any, Any, Any]], params: Any = None) -> dict[str, str]:
+    """The static settings by place, and the static fields of ``params``' tree by path
+    (``param_fields``: ``m.apply`` refuses others), as the manifest shows them: each repr without
+    a memory address (``<function act at 0x7f..>``: one model's manifest differed run to run), a
+    set's items sorted (the order a set of strings iterates in is PYTHONHASHSEED's, each one's)."""
+    static = [*static, *param_fields(params)]
     return {(f"args[{k}]" if isinstance(k, int) else k): re.sub(r" at 0x[0-9a-fA-F]+>", ">",
             _sorted_repr(v)) for k, v, _ in static}  # fmt: skip
 

@@ -30,6 +30,8 @@ from symjax_mlp._errors import (
     SignatureError,
     SymjaxError,
 )
+from symjax_mlp._export_options import shown
+from symjax_mlp._hybrid.params import unflattenable
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._npy import weak_refusal, weakly_typed
 from symjax_mlp._runtimes.transforms import axes, forward_mode, forward_traced
@@ -50,6 +52,14 @@ _NAN = (
     "{caller}: its output holds a NaN or an inf, found by jax_debug_nans / jax_debug_infs. An "
     "artifact is one compiled program, with no line of your model to point at: call the Hybrid "
     "it was exported from under the same flag (h(x) raises at your model's line)."
+)
+
+
+_OTHER_FIELDS = (
+    "{caller}.apply(params, ...): params hold {given}, a static field (not traced: jit bakes it "
+    "into the program), and the artifact's program was traced at {traced}. Export again from "
+    "params that hold it (sm.export(sm.hybridize(fn, params), ...)), or pass the params the "
+    "artifact was exported from."
 )
 
 
@@ -172,6 +182,12 @@ class LoadedModel(NoPickle):
             params = _by_path(params, self._caller)  # the tree of those paths, as h.params holds
         if params is None or set(params) != set(own):
             raise SignatureError(self._unlike(own, given, params))
+        traced = self.manifest.get("static", {})  # a tree's static fields: as export traced them
+        fields = shown((), given) if params is not given else {}
+        if other := {k: v for k, v in fields.items() if traced.get(k, v) != v}:
+            raise SignatureError(_OTHER_FIELDS.format(
+                caller=self._caller, given=", ".join(f"{k}={v}" for k, v in other.items())[:400],
+                traced=", ".join(f"{k}={traced[k]}" for k in other)[:400]))  # fmt: skip
         numbers = (bool, int, float, complex)  # Python's, as h.params may hold (gymnax's EnvParams)
         params = {n: jax.numpy.asarray(p) if type(p) in numbers else p for n, p in params.items()}
         for name, w in own.items():
@@ -365,7 +381,7 @@ def _by_path(tree: Any, caller: str) -> dict[str, Any] | None:
     share one or a key cannot be named (``{"a/b": x, "a": {"b": y}}``, an empty key). Refuses
     a tree JAX cannot flatten: one holding itself (JAX recurses until the interpreter breaks)
     or a dict of keys of several types (JAX sorts them)."""
-    if why := _unflattenable(tree):
+    if why := unflattenable(tree):
         raise SignatureError(
             f"{caller}.apply(params, ...): params {why}, which JAX cannot flatten. Pass "
             "m.params, or a dict or tree of arrays by its paths."
@@ -376,25 +392,3 @@ def _by_path(tree: Any, caller: str) -> dict[str, Any] | None:
         return None
     out = dict(named)
     return out if len(out) == len(named) else None
-
-
-def _unflattenable(tree: Any) -> str | None:
-    """Why JAX cannot flatten ``tree``'s dicts, lists and tuples, or ``None``: walked without
-    recursion, each once (a subtree held twice is fine; one holding itself is not)."""
-    todo, inside, done = [(tree, False)], set(), set()
-    while todo:
-        x, leaving = todo.pop()
-        if leaving:
-            inside.discard(id(x))
-            done.add(id(x))
-            continue
-        if not isinstance(x, (dict, list, tuple)) or id(x) in done:
-            continue
-        if id(x) in inside:
-            return f"holds a {type(x).__name__} that contains itself"
-        if isinstance(x, dict) and len(kinds := {type(k).__name__ for k in x}) > 1:
-            return f"holds a dict whose keys are of several types ({', '.join(sorted(kinds))})"
-        inside.add(id(x))
-        todo.append((x, True))
-        todo.extend((c, False) for c in (x.values() if isinstance(x, dict) else x))
-    return None

@@ -3,6 +3,7 @@ cannot take one (an equinox module given whole, a setting, a Python int past JAX
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -180,3 +181,54 @@ def _past_int(name: str, where: str, leaf: Any, error: Exception | None = None):
     how = _PASSED_INT if said is None else _BAKED_INT.format(error=said)
     fields = {"dtype": info.dtype, "low": info.min, "high": info.max, "value": leaf}
     return ConfigError(_PARAM_INT.format(name=name, path=where, how=how, **fields))
+
+
+def unflattenable(tree: Any) -> str | None:
+    """Why JAX cannot flatten ``tree``'s dicts, lists and tuples, or ``None``: walked without
+    recursion, each once (a subtree held twice is fine; one holding itself is not)."""
+    todo, inside, done = [(tree, False)], set(), set()
+    while todo:
+        x, leaving = todo.pop()
+        if leaving:
+            inside.discard(id(x))
+            done.add(id(x))
+            continue
+        if not isinstance(x, (dict, list, tuple)) or id(x) in done:
+            continue
+        if id(x) in inside:
+            return f"holds a {type(x).__name__} that contains itself"
+        if isinstance(x, dict) and len(kinds := {type(k).__name__ for k in x}) > 1:
+            return f"holds a dict whose keys are of several types ({', '.join(sorted(kinds))})"
+        inside.add(id(x))
+        todo.append((x, True))
+        todo.extend((c, False) for c in (x.values() if isinstance(x, dict) else x))
+    return None
+
+
+def param_fields(params: Any, at: tuple[Any, ...] = ()) -> list[tuple[str, Any, None]]:
+    """What a compiled call bakes into its program from the params' tree beside its leaves: the
+    static fields of its dataclass nodes (``flax.struct.field(pytree_node=False)``, the
+    ``meta_fields`` of ``jax.tree_util.register_dataclass``), as ``("params.path.field", value,
+    None)``, the triples of static settings."""
+    node = _dataclass_node(params)  # its children one level down; else the dataclasses below
+    kids = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: x is not params and (node or _dataclass_node(x))
+    )[0]
+    named = {getattr(k[0], "name", None) for k, _ in kids} if node else {None}
+    where = f"params{jax.tree_util.keystr(at)}"
+    fields = [] if None in named else dataclasses.fields(params)  # (children unnamed: none)
+    found = [(f"{where}.{f.name}", getattr(params, f.name), None) for f in fields
+             if f.name not in named]  # fmt: skip
+    for path, x in kids:
+        if x is not params and not jax.tree_util.all_leaves([x]):
+            found += param_fields(x, at + path)
+    return found
+
+
+def _dataclass_node(x: Any) -> bool:
+    """A dataclass instance a pytree node (registered), not a leaf."""
+    return (
+        dataclasses.is_dataclass(x)
+        and not isinstance(x, type)
+        and not jax.tree_util.all_leaves([x])
+    )
