@@ -376,8 +376,8 @@ def remove_stale(path: Path) -> None:
 
 def _abandoned(sibling: Path, locked: bool) -> bool:
     age = 0.0
-    with contextlib.suppress(OSError):  # where locks fail, age decides
-        fd = os.open(sibling, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with contextlib.suppress(OSError):  # where locks fail, age decides; no directory: not ours
+        fd = os.open(sibling, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_NOFOLLOW)
         try:
             age = time.time() - os.fstat(fd).st_mtime
             if locked:  # a writer holds it until it is done: nobody does, so it is gone

@@ -33,6 +33,7 @@ import symjax_mlp as sm
 from symjax_mlp.cli import main
 
 MB = 1 << 20
+S3 = np.arange(6, dtype=np.float32).reshape(2, 3)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +295,27 @@ def test_expect_100_continue_for_a_body_past_the_limit_is_413_and_never_invited(
     assert b"100 Continue" not in got
     [(status, answer)] = _answers(got)
     assert status == 413 and "more than max_body_bytes=1048576" in answer["message"], answer
+
+
+@pytest.mark.slow  # an export: ~1 s
+def test_a_fifo_planted_in_the_name_of_an_exports_temporary_sibling_never_blocks_it(tmp_path):
+    """An export (and a checkpoint's save) removes what writers that died left beside its
+    target, ``.NAME.tmp-PID-HEX`` of no live PID, opening each to try its lock: a FIFO planted
+    under such a name, by anyone who may write the folder (/tmp), blocked that open for ever,
+    the artifact written: export never returned. A sibling that is no directory is no writer's:
+    left, unopened; the export returns and loads; a dead writer's directory is still removed."""
+    dead = 4_194_305  # above Linux's largest pid_max: no process has it
+    fifo, left = tmp_path / f".m.tmp-{dead}-0", tmp_path / f".m.tmp-{dead}-1"
+    os.mkfifo(fifo)
+    left.mkdir()
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": np.float32(3.0)})
+    try:
+        path = bounded(lambda: sm.export(h, tmp_path / "m", example=S3).path, 120)
+    finally:  # a reader blocked in the FIFO's open (without the fix) is let go
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert fifo.exists() and not left.exists()
+    np.testing.assert_array_equal(np.asarray(sm.load(path)(S3)), 3 * S3)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "file", "device"])
