@@ -77,6 +77,17 @@ def test_every_recorded_setting_has_a_value_to_show_it():
     assert all(SETTINGS[k][2](v) and v != SETTINGS[k][0] for k, v in _OTHER.items())
 
 
+@pytest.mark.slow  # a fresh process: a second or two
+def test_a_fresh_process_records_nothing():
+    """SETTINGS' defaults are this JAX's: a fresh process (no JAX_* variable set) records no
+    setting (a JAX whose default moved would have every export record one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    code = "from symjax_mlp._artifact.jaxconfig import recorded; print(recorded())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=300)  # fmt: skip
+    assert run.stdout.strip() == "{}"
+
+
 @pytest.mark.slow  # two exports per setting, of a program and its VJP: about a minute in all
 @pytest.mark.parametrize("name", list(_OTHER))
 def test_each_recorded_setting_writes_another_program_and_says_so(name, tmp_path, monkeypatch):
