@@ -385,12 +385,11 @@ def test_a_bad_timeout_or_cancel_is_refused_before_a_request_is_queued(chapter):
         f0.result(30)
 
 
-def test_asubmit_refuses_an_alone_that_is_no_bool_as_close_refuses_a_cancel(chapter):
+def test_asubmit_refuses_an_alone_that_is_no_bool_as_close_refuses_a_cancel():
     """``asubmit(x, alone="no")`` (or 1, None) was taken for its truth: "no" ran the request at
     once, as if no other could join its pass. Now refused before it is queued, as close(cancel=)
     refuses one (which took 1 for True); NumPy's bool is a bool to both."""
-    _, _, h, x = chapter
-    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+    with sm.serving.Batcher(lambda x: 2 * x, example=rows(1), max_batch=1) as b:
 
         async def submit(alone):
             return await b.asubmit(rows(1), alone=alone)
