@@ -358,6 +358,36 @@ def test_vmap_in_axes_mixing_none_and_0_with_out_axes_not_0(net):
 
 
 @pytest.mark.slow
+def test_vmap_of_a_two_input_two_output_artifact_with_mixed_axes(tmp_path):
+    """Held: an artifact of two inputs and two outputs under ``jax.vmap`` with ``in_axes``
+    ``(0, None)``, ``(None, 0)``, ``(0, 0)``, ``(1, None)`` and per-output ``out_axes``; its
+    ``m.apply`` with the params unmapped; ``jax.grad`` through one of them."""
+
+    def f(p, x, y):
+        z = jnp.tanh(x @ p["w"])
+        return z * y[:, None], (z**2).sum(-1)
+
+    params, y = {"w": jnp.full((3, 2), 0.2)}, jnp.arange(4.0)
+    h = sm.hybridize(f, params)
+    m = sm.load(sm.export(h, tmp_path / "two", example=(X, y), batch="b", vjp_order=1).path)
+    xs, ys = jnp.stack([X, 2 * X, 3 * X]), jnp.stack([y, y + 1, y + 2])
+    plain = functools.partial(f, params)
+    cases = [((0, None), (1, 0), xs, y), ((None, 0), 1, X, ys), ((0, 0), (2, 1), xs, ys),
+             ((1, None), -1, jnp.swapaxes(xs, 0, 1), y)]  # fmt: skip
+    for in_axes, out_axes, a, b in cases:
+        want = jax.jit(jax.vmap(plain, in_axes=in_axes, out_axes=out_axes))(a, b)
+        for g in (h, m, functools.partial(m.apply, params)):
+            got = jax.vmap(g, in_axes=in_axes, out_axes=out_axes)(a, b)
+            chex.assert_trees_all_close(got, want, rtol=1e-5)
+
+    def loss(g, x):
+        return jax.vmap(g, in_axes=(0, None), out_axes=(1, 0))(x, y)[0].sum()
+
+    np.testing.assert_allclose(jax.grad(functools.partial(loss, m))(xs),
+                               jax.grad(functools.partial(loss, plain))(xs), rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.slow
 def test_jacfwd_and_hessian_of_a_loaded_model_name_jacrev_which_gives_the_hessian(net):
     """Held: ``jax.jacfwd`` and ``jax.hessian`` of the loaded model are a ConfigError naming
     ``jax.jacrev(jax.jacrev(f))`` (an artifact carries VJPs only, README), which equals
