@@ -23,16 +23,20 @@ import os
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+import optax
 import pytest
 from helpers import bounded
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
+from symjax_mlp.training._resume import init_run
 
 MB = 1 << 20
 S3 = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -318,6 +322,54 @@ def test_a_fifo_planted_in_the_name_of_an_exports_temporary_sibling_never_blocks
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert fifo.exists() and not left.exists()
     np.testing.assert_array_equal(np.asarray(sm.load(path)(S3)), 3 * S3)
+
+
+def _run(optimizer):
+    """A run's first state: a (12 -> 8 -> 2) MLP's params, ``optimizer``'s state of them."""
+    params = sm.mlp((8, 2)).init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    return sm.training.TrainState(params, optimizer.init(params), jax.random.key(3), step=4)
+
+
+@pytest.mark.slow  # two saves, two starts: ~5 s
+def test_init_from_a_checkpoint_declaring_gigabytes_of_optimizer_state_hashes_none_of_it(
+    tmp_path,
+):
+    """init_from reads another run's params and only hashes its optimizer state: a checkpoint
+    of ours (one process) declaring gigabytes of it in a sparse tail, sha256 right, was hashed
+    whole (2 GiB: 6.6 s here; up to the machine's memory: minutes, where an Orbax one's was
+    bounded in session 62). Now it is refused by its header, as an Orbax one is, past 16 times
+    the params' tensors or bytes (or 64 MiB: 128 MiB here); adam's state starts a run."""
+    sm.training.save_checkpoint(tmp_path / "adam", _run(optax.adam(0.1)))
+    started = init_run(tmp_path / "adam", _run(optax.sgd(0.1)), {})  # held: adam's is read
+    assert started.step == 0 and jax.tree.structure(started.opt_state) == jax.tree.structure(
+        _run(optax.sgd(0.1)).opt_state
+    )
+    path = sm.training.save_checkpoint(tmp_path / "ck", _run(optax.adam(0.1)))
+    file, big = path / "state.safetensors", 128 * MB
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    header["opt_state/zz"] = {
+        "dtype": "U8",
+        "shape": [big],
+        "data_offsets": [len(data), len(data) + big],
+    }
+    head = json.dumps(header).encode()
+    head = struct.pack("<Q", len(head) + -len(head) % 8) + head + b" " * (-len(head) % 8)
+    with open(file, "wb") as f:
+        f.write(head + data)
+        f.truncate(len(head) + len(data) + big)  # a sparse tail: no block on disk
+    digest = hashlib.sha256(head + data)
+    for _ in range(big // MB):
+        digest.update(bytes(MB))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["state.safetensors"] = digest.hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sm.CheckpointError) as e:
+        init_run(tmp_path / "ck", _run(optax.sgd(0.1)), {})
+    said = str(e.value)
+    assert f"{path}: besides the params, it declares 11 tensors of 134,218,7" in said, said
+    assert "more than any optimizer keeps for 4 tensors" in said and "leave init_from out" in said
 
 
 @pytest.mark.parametrize("kind", ["fifo", "file", "device"])

@@ -43,6 +43,7 @@ from symjax_mlp.training._state import (
     RECORD,
     TrainState,
     check_fit,
+    check_others,
     check_state,
     eval_point,
     is_count,
@@ -343,6 +344,8 @@ def read_checkpoint(
     def select(declared: dict[str, np.ndarray]) -> set[str]:  # before a tensor is held
         mine = {n: a for n, a in declared.items() if not weights or n.startswith("params/")}
         check_fit(path, specs(mine), specs(wanted))
+        others = {n: (a.shape, a.dtype) for n, a in declared.items() if n not in mine}  # init_from
+        check_others(path, others, wanted)  # another run's optimizer state, hashed: bounded
         if not weights or (evaluation := _evaluation(declared)) is None:
             return set(mine)  # init_from: the optimizer's tensors unread (another's, any size)
         prefix, made = evaluation
