@@ -2,8 +2,9 @@
 against what sixteen rounds left. An artifact listing sparse files under many names (hard
 links), every size and sha256 right, which load, ``inspect`` and ``serve`` hashed for hours; a
 FIFO planted in the name of an export's temporary sibling, which export opened and waited on
-for ever; a client pipelining requests, which ``serve`` (uvicorn over httptools) parsed and
-queued without end; two ``Content-Encoding`` lines. Each way in that got through has a test
+for ever; a checkpoint declaring gigabytes of optimizer state, which ``init_from`` hashed; a
+client pipelining requests, which ``serve`` (uvicorn over httptools) parsed and queued without
+end; two ``Content-Encoding`` lines. Each way in that got through has a test
 failing without its fix; each surface that held keeps one test showing it (an artifact
 directory that is a FIFO, a file or a device; chunk sizes past 2**64 or never sent; a request
 split byte by byte; ``Expect: 100-continue`` with a body past the limit). The rounds before:
