@@ -1,18 +1,25 @@
-"""``h.apply`` and ``h.apply_with_state`` on the hot path: a call whose settings (bools, strs,
-None) an earlier call gave, with arrays alone as inputs, reuses that call's static entries
-instead of reading its keywords again (the partition, the nnx objects). Every test runs the same
-calls on a Hybrid whose hot path is switched off (the slow path, as before) and asserts the same
-outputs and the same new state, bitwise; a test-only probe counts the slow path's reads.
+"""The hot paths of ``h(x)``, ``h.apply`` and ``h.apply_with_state``: a call whose settings
+(bools, strs, None) an earlier call gave, with arrays alone as inputs, reuses that call's static
+entries instead of reading its keywords again (the partition, the nnx objects), an nnx module's
+modes read at every call; ``h.apply`` walks the params it is given only where jit's C++ dispatch
+does not serve the call (it then makes an entry for it), at every call once an entry took a
+NumPy array among them (jit's C++ path reads a big-endian one's bytes as native ones) or once a
+program C++ does not serve (one with effects) showed it. Every test runs the same calls on a
+Hybrid whose hot path is switched off (the slow path, as before) and asserts the same outputs,
+new state, errors and traces, bitwise; test-only probes count the slow path's reads and the
+params' walks.
 """
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import LinenBatchNorm, LinenDropout, NnxBatchNorm, NnxDropout, NnxModes, rand
 
 import symjax_mlp as sm
+from symjax_mlp._hybrid import staged
 from symjax_mlp._hybrid.staged import Staged
 
 X = rand(4, 5)
@@ -54,7 +61,8 @@ MODELS = {
     "nnx Dropout, deterministic=False": (lambda: _nnx(NnxDropout), {"deterministic": False}),
 }
 
-FAST = ("linen BatchNorm, train=True", "nnx BatchNorm")  # in the default selection
+#: in the default selection
+FAST = ("linen BatchNorm, train=True", "nnx BatchNorm", "nnx Dropout, deterministic=False")
 
 
 @pytest.mark.parametrize(
@@ -77,8 +85,7 @@ def test_h_apply_with_settings_seen_answers_as_the_slow_path_and_reads_them_once
             fast.apply(fast.params, x, **settings), slow.apply(slow.params, x, **settings)
         )
     assert reads.count(slow) == 8  # every call
-    nnx_settings = settings and name.startswith("nnx")  # read at every call, as by h(x)
-    assert reads.count(fast) == (8 if nnx_settings else 1 if settings else 0)
+    assert reads.count(fast) == (1 if settings else 0)  # an nnx module's keywords too
     assert fast.trace_count == slow.trace_count == 1
 
 
@@ -130,3 +137,174 @@ def test_an_nnx_module_switched_to_eval_after_hot_calls_is_applied_in_eval_mode(
     assert not np.array_equal(got[0][0], trained[0][0])  # eval mode: another answer
     chex.assert_trees_all_equal(got[0][1], fast.state)  # in eval mode the state stays
     assert reads.count(fast) == 0 and fast.trace_count == 2
+
+
+class NnxKeyword(nnx.Module):
+    """A BatchNorm switched by ``module.train()``/``eval()`` and a Dropout by a call keyword."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x, deterministic: bool = True):
+        x = nnx.relu(self.norm(self.dense(x)))
+        return self.out(self.drop(x, deterministic=deterministic))
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """``[caller, ...]``: each walk of the params given to ``h.apply`` (``check_given``)."""
+    walked, check = [], staged.check_given
+    monkeypatch.setattr(staged, "check_given", lambda c, p: walked.append(c) or check(c, p))
+    return walked
+
+
+def _nnx_pair():
+    """Two Hybrids of two modules from the same seeds: ``fast``, and ``slow`` with no hot path
+    for ``h(x)`` nor ``h.apply``; and their modules."""
+    modules = [NnxKeyword(nnx.Rngs(0, dropout=1)) for _ in range(2)]
+    fast, slow = (sm.hybridize(m) for m in modules)
+    slow._set(_fast=False, _applied=None)
+    return fast, slow, modules
+
+
+@pytest.mark.slow
+def test_an_nnx_module_called_with_keywords_answers_as_the_slow_path_and_reads_them_once(reads):
+    fast, slow, modules = _nnx_pair()
+    calls = [{"deterministic": False}] * 3 + [{"deterministic": True}, {}]
+    for i, kw in enumerate(calls):  # train mode: the statistics and the rng count move
+        x = rand(4, 5, seed=i)
+        chex.assert_trees_all_equal(fast(x, **kw), slow(x, **kw))
+        chex.assert_trees_all_equal(fast.state, slow.state)
+    for m in modules:
+        m.eval()  # the module's modes: read at every call, on the hot path too
+    for kw in calls[2:]:
+        chex.assert_trees_all_equal(fast(X, **kw), slow(X, **kw))
+        chex.assert_trees_all_equal(fast.state, slow.state)
+    chex.assert_trees_all_equal(
+        fast.apply(fast.params, X, deterministic=False),
+        slow.apply(slow.params, X, deterministic=False),
+    )
+    assert [e.reason for e in fast.trace_log] == [e.reason for e in slow.trace_log]
+    assert fast.trace_count == 7  # (deterministic=False, True, none) x (train, eval), apply
+    assert reads.count(slow) == 9
+    assert reads.count(fast) == 3  # the first call of each keyword setting (and of apply's)
+
+
+@pytest.mark.slow
+def test_an_nnx_keyword_call_refused_or_read_on_the_slow_path_is_so_after_hot_calls(reads):
+    fast, slow, _ = _nnx_pair()
+    for h in (fast, slow):
+        h(X, deterministic=False)
+    big = np.asarray(X, dtype=">f4")  # jit's C++ path would read its bytes as native ones
+    for args, kw in [((big,), {"deterministic": False}), ((X.tolist(),), {"deterministic": False}),
+                     ((X,), {"deterministic": False, "nope": True})]:  # fmt: skip
+        errors = []
+        for h in (fast, slow):
+            with pytest.raises(sm.SymjaxError) as error:
+                h(*args, **kw)
+            errors.append(str(error.value))
+        assert errors[0] == errors[1]
+    before = reads.count(fast)
+    chex.assert_trees_all_equal(fast(X, deterministic=1), slow(X, deterministic=1))  # an int
+    chex.assert_trees_all_equal(fast(X, False), slow(X, False))  # a setting by place
+    chex.assert_trees_all_equal(fast.state, slow.state)
+    assert reads.count(fast) == before + 2
+    assert fast.trace_count == slow.trace_count
+
+
+def _linen_pair():
+    model = LinenBatchNorm()
+    fast, slow = (sm.hybridize(model, model.init(jax.random.key(0), X)) for _ in range(2))
+    slow._set(_applied=None)
+    return fast, slow
+
+
+def _kernel(params, value):
+    params["params"]["Dense_0"]["kernel"] = value  # in place: the same dict, called again
+
+
+@pytest.mark.slow
+def test_h_apply_walks_the_params_where_jit_does_not_serve_the_call_and_names_a_big_endian_one(
+    walks,
+):
+    fast, slow = _linen_pair()
+    params = jax.tree.map(lambda a: a, fast.params)  # the caller's dicts, of the same arrays
+    kernel = np.asarray(params["params"]["Dense_0"]["kernel"])
+    for _ in range(4):
+        chex.assert_trees_all_equal(
+            fast.apply(params, X, train=True), slow.apply(params, X, train=True)
+        )
+    assert walks.count("LinenBatchNorm.apply") == 1 + 4  # fast's first call; every slow one
+    _kernel(params, kernel)  # a NumPy array: a new entry of jit's, the params walked
+    chex.assert_trees_all_equal(
+        fast.apply(params, X, train=True), slow.apply(params, X, train=True)
+    )
+    _kernel(params, kernel.astype(">f4"))  # the same numbers, big-endian: served, [0., 0.]
+    errors = []
+    for h in (fast, slow):
+        with pytest.raises(sm.SignatureError, match=r"params\['params'\]\['Dense_0'\]") as e:
+            h.apply(params, X, train=True)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    grads = [  # params traced: the slow path's walk, the same gradient
+        jax.grad(lambda p, h=h: h.apply(p, X, train=True)[0].sum())(fast.params)
+        for h in (fast, slow)
+    ]
+    chex.assert_trees_all_equal(grads[0], grads[1])
+    assert fast.trace_count == slow.trace_count
+
+
+@pytest.mark.slow
+def test_h_apply_under_disable_jit_names_a_param_jit_cannot_take_as_the_slow_path(walks):
+    fast, slow = _linen_pair()
+    for h in (fast, slow):
+        h.apply(h.params, X, train=True)  # its settings kept, an entry of jit's made
+    errors = []
+    for h in (fast, slow):
+        params = jax.tree.map(lambda a: a, h.params)
+        _kernel(params, "kernel")
+        with jax.disable_jit(), pytest.raises(sm.ConfigError) as e:  # op by op: the model's
+            h.apply(params, X, train=True)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "params['params']['Dense_0']['kernel'] is a str" in errors[0]
+
+
+@pytest.mark.slow
+def test_h_apply_under_disable_jit_runs_the_model_once_a_call():
+    runs = []
+
+    def model(p, x):
+        runs.append(x.shape)  # op by op: the model's Python runs at every call, once
+        return jnp.tanh(x * p["w"]).cumsum(axis=-1)
+
+    h = sm.hybridize(model, {"w": jnp.float32(2)})
+    h.apply(h.params, X)  # traced: an entry of jit's made
+    runs.clear()
+    with jax.disable_jit():
+        for n in (2, 3, 4):  # new shapes: no op of them run before
+            np.testing.assert_allclose(
+                h.apply(h.params, X[:, :n]), model(h.params, X[:, :n]), rtol=1e-6
+            )
+    assert runs == [(4, 2), (4, 2), (4, 3), (4, 3), (4, 4), (4, 4)]  # (and model's own)
+
+
+@pytest.mark.slow
+def test_a_program_with_an_effect_runs_once_a_call_and_is_walked_without_an_attempt(
+    walks, monkeypatch
+):
+    ran, tried, no_tracing = [], [], jax.no_tracing
+    monkeypatch.setattr(jax, "no_tracing", lambda on: tried.append(on) or no_tracing(on))
+
+    def model(p, x):
+        jax.debug.callback(lambda: ran.append(1))  # an effect: jit's C++ path never serves it
+        return x * p["w"]
+
+    h, x = sm.hybridize(model, {"w": jnp.float32(2)}), jnp.asarray(X)  # (NumPy: not served)
+    for i in range(4):
+        np.testing.assert_array_equal(h.apply({"w": jnp.float32(i)}, x), X * i)
+    assert len(ran) == 4 and h.trace_count == 1  # none run twice
+    assert len(tried) == 2  # the first call (traced), then one not served: walked since
+    assert len(walks) == 4

@@ -225,7 +225,7 @@ class Hybrid(Staged, NoPickle):
                 if type(a) not in JAX_ARRAYS and not (type(a) is NDARRAY and a.dtype.isnative):
                     break
             else:
-                key = static if self._modes is None else self._modes.key(())
+                key = static if self._modes is None else self._modes.key(static)
                 try:
                     if not self.stateful:
                         return self._jitted(key, self._leaves, *args)
@@ -242,10 +242,11 @@ class Hybrid(Staged, NoPickle):
             return self.eager(*args, **kwargs)
         _args.refuse_abstract(self.name, self.name, args, kwargs)
         with symbolic(self.name):  # the slow path: settings, nnx objects, a mesh
-            static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+            raw, dyn, dyn_kw = self._partition(args, kwargs, self.name, modes=False)
+            static = raw if self._modes is None else self._modes.key(raw)  # (nnx: now's modes)
             variables = given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
-            if self._fast and self._modes is None and not (dyn_kw or variables):  # for the hot
-                remember(self._statics, kwargs, static, every_arg=len(dyn) == len(args))  # path
+            if self._fast and not (dyn_kw or variables):  # for the hot path
+                remember(self._statics, kwargs, raw, every_arg=len(dyn) == len(args))
             if self._parallel is not None:
                 held = self._held if self.stateful else None
                 return self._parallel.call(self._jitted, static, self._leaves, held, dyn, dyn_kw)
@@ -341,18 +342,6 @@ class Hybrid(Staged, NoPickle):
         if self._model.given_state(params):  # a state in the params too: refused as fn's is
             self.fn_with_state(params, state, *args, **kwargs)
         return self._apply_pure(caller, params, state, args, kwargs)
-
-    def _apply_pure(self, caller: str, params: Any, state: Any, args: Any, kwargs: Any) -> Any:
-        """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
-        static, dyn, dyn_kw, variables = self._apply_split(caller, params, args, kwargs)
-        try:
-            out, new_state, *new = self._apply(static, params, state, dyn, dyn_kw)
-        except Exception:  # named as in any call (no context manager on the path that succeeds)
-            with symbolic(self.name):
-                raise
-        if variables:
-            write_back(variables, new[0], caller)
-        return out, new_state
 
     def _stateful(self, added: _pure.StateAdded, traced: bool = True) -> Hybrid:
         """Self, turned stateful in place by an nnx module's call that added variables (as

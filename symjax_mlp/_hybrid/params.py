@@ -145,20 +145,24 @@ def held(given: Any, treedef: Any, leaves: list[Any], *, mesh: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def check_given(caller: str, params: Any) -> None:
+def check_given(caller: str, params: Any) -> str:
     """:func:`flat_params`' refusals of params given to a call (``h.apply``), made only where a
-    leaf is no JAX array or JAX's walk raised (an iterator leaf's warning under ``-W error``)."""
+    leaf is no JAX array or JAX's walk raised (an iterator leaf's warning under ``-W error``).
+    Returns what the leaves are: ``"jax"`` (JAX arrays alone), ``"numpy"`` (a NumPy array
+    among them, which jit's dispatch of that signature takes from then on, its byte order
+    unread) or ``"other"`` (tracers, Python numbers)."""
     try:
         leaves = jax.tree.leaves(params)
     except Exception as e:  # (refused below, out of the except: no warning chained to it)
         walk_error = e
     else:
         if all(map(JAX_ARRAYS.__contains__, map(type, leaves))):
-            return
+            return "jax"
         walk_error = None
     flat_params(caller, params, passed=True)
     if walk_error is not None:  # nothing to refuse: JAX's own error
         raise walk_error
+    return "numpy" if any(isinstance(a, np.ndarray) for a in leaves) else "other"
 
 
 def overflowing(name: str, params: Any, error: Exception) -> ConfigError | None:

@@ -13,7 +13,7 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, partition
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.params import check_given, flat_params, held, refuse_donated
-from symjax_mlp._hybrid.pure.nnx_module import refreshed
+from symjax_mlp._hybrid.pure.nnx_module import refreshed, write_back
 from symjax_mlp._hybrid.settings import keyed, remember
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 from symjax_mlp._hybrid.traced import given
@@ -84,6 +84,9 @@ class Staged:
     compiled, its model as a :class:`Graph`, the module settings that change it, the held
     state it moves."""
 
+    #: whether the params given to ``h.apply`` are walked at every call (:meth:`_apply_pure`)
+    _walked = False
+
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
         one SPMD module for every device)."""
@@ -119,12 +122,12 @@ class Staged:
 
     def _partition(
         self, args: Any, kwargs: Any, caller: str, failed: bool = False, params: Any = None,
-        staging: bool = False,
+        staging: bool = False, modes: bool = True,
     ) -> tuple:  # fmt: skip
-        """The call's static key (with the module's settings), traced args, kwargs; the params
-        it runs (``params``, else the held ones) refused first if a donating jit deleted them
-        (or, unless ``staging``, they are abstract), where a call of them crashes (several
-        devices), or once a call ``failed``."""
+        """The call's static key (with the module's settings unless not ``modes``), traced
+        args, kwargs; the params it runs (``params``, else the held ones) refused first if a
+        donating jit deleted them (or, unless ``staging``, they are abstract), where a call of
+        them crashes (several devices), or once a call ``failed``."""
         if failed or self._spans:
             given = self._read("params", checked=False) if params is None else params
             refuse_donated(caller, given, staging=staging)
@@ -142,19 +145,60 @@ class Staged:
         if flax:  # its filter, a function of (module, method name), keyed on as jax.jit's static
             names = names | {"capture_intermediates"}
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
-        return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
+        if not modes or self._modes is None:
+            return static, dyn, dyn_kw
+        return self._modes.key(static), dyn, dyn_kw
+
+    def _apply_pure(self, caller: str, params: Any, state: Any, args: tuple, kwargs: dict):
+        """``(out, new_state)`` of :meth:`apply`'s compiled pure function, the nnx objects given
+        written back. For settings an earlier call gave (bools, strs, None) and arrays alone,
+        its static entries are reused (:func:`hot`), and the params walked (:func:`check_given`)
+        only where jit's C++ dispatch does not serve the call (it then makes an entry for it):
+        at every call once an entry took a NumPy array among them (it would take a big-endian
+        one's bytes as native ones; an entry of JAX arrays never serves a NumPy one), or once
+        C++ did not serve a program it had traced (one with effects, ``jax.debug.print``; NumPy
+        inputs)."""
+        static = hot(self._applied, args, kwargs, self._modes)
+        tried = static is not None and not (self._walked or jax.config.jax_disable_jit)
+        if tried:
+            try:
+                with jax.no_tracing(True):  # raised before the call runs, where C++ cannot serve
+                    out, new_state = self._apply_run(static, params, state, args, {})
+                return out, new_state
+            except Exception as e:  # not run (no_tracing's RuntimeError, JAX's walk): walked
+                if isinstance(e, jax.errors.JaxRuntimeError):  # run: XLA's, the model's
+                    raise
+        if static is None:
+            static, dyn, dyn_kw, variables = self._apply_split(caller, params, args, kwargs)
+        else:
+            dyn, dyn_kw, variables = args, {}, []
+            leaves, traces = check_given(caller, params), len(self._log.events)
+            if leaves == "numpy":
+                self._set(_walked=True)  # (jit's C++ path: a big-endian array's [0., 0.])
+        out, new_state, *new = self._apply_run(static, params, state, dyn, dyn_kw)
+        if tried and leaves == "jax" and len(self._log.events) == traces:
+            self._set(_walked=True)  # a program C++ does not serve: no attempt to spend
+        if variables:
+            write_back(variables, new[0], caller)
+        return out, new_state
+
+    def _apply_run(self, *call: Any) -> Any:
+        try:
+            return self._apply(*call)
+        except Exception:  # named as in any call (no context manager on the path that succeeds)
+            with symbolic(self.name):
+                raise
 
     def _apply_split(self, caller: str, params: Any, args: tuple, kwargs: dict) -> tuple:
-        """:meth:`apply`'s partition and the nnx objects given, the params checked; for settings
-        an earlier call gave (bools, strs, None) and arrays alone, its static entries reused."""
-        if (static := hot(self._applied, args, kwargs, self._modes)) is not None:
-            check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
-            return static, args, {}, []
-        static, dyn, dyn_kw = self._partition(args, kwargs, caller, params=params)
+        """:meth:`apply`'s partition and the nnx objects given, the params checked; the static
+        entries kept for calls with the same settings and arrays alone."""
+        raw, dyn, dyn_kw = self._partition(args, kwargs, caller, params=params, modes=False)
+        static = raw if self._modes is None else self._modes.key(raw)
         variables = given(dyn, dyn_kw, caller)
-        check_given(caller, params)
-        if not (variables or dyn_kw) and self._modes is None and _APPLY.isdisjoint(kwargs):
-            remember(self._applied, kwargs, static, every_arg=len(dyn) == len(args))
+        if check_given(caller, params) == "numpy":
+            self._set(_walked=True)
+        if not (variables or dyn_kw) and _APPLY.isdisjoint(kwargs):
+            remember(self._applied, kwargs, raw, every_arg=len(dyn) == len(args))
         return static, dyn, dyn_kw, variables
 
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
