@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo35
 from features import close, every_feature
 from flax.jax_utils import unreplicate
 from flax.training.common_utils import shard
@@ -39,29 +40,16 @@ ARGS = SimpleNamespace(  # the fields of TrainingArguments the steps read
 T5_SMALL = {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 2, "num_heads": 2}
 
 
-class _ClipOfOld:
-    """``jax.numpy`` for transformers' T5 module, whose ``jnp.clip(x, a_max=...)`` (4.57.6,
-    modeling_flax_t5.py's relative position buckets) JAX 0.10 no longer takes (``TypeError:
-    clip() got an unexpected keyword argument 'a_max'``): theirs, not ours. The same number
-    as ``min``/``max``; everything else is ``jax.numpy``'s."""
-
-    def __getattr__(self, name):
-        return getattr(jnp, name)
-
-    @staticmethod
-    def clip(x, a_min=None, a_max=None):
-        return jnp.clip(x, min=a_min, max=a_max)
-
-
 @pytest.fixture(scope="module")
 def zoo():
     """tests/zoo33.py and transformers, imported by the tests that run (~5 s: not at the
-    default selection's collection), T5's ``jnp.clip`` as its authors called it."""
+    default selection's collection), T5's ``jnp.clip`` as its authors called it (under
+    tests/zoo35.py's ``T5Jnp``)."""
     import zoo33  # imports transformers under a filter of its Flax deprecation warning
     from transformers.models.t5 import modeling_flax_t5
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(modeling_flax_t5, "jnp", _ClipOfOld())
+        patch.setattr(modeling_flax_t5, "jnp", zoo35.T5Jnp())
         yield zoo33, zoo33.transformers
 
 
