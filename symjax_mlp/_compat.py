@@ -17,7 +17,7 @@ from typing import Any
 #: Whether each internal is used (``False``: its fallback); read at each use (the GIL's: once).
 INTERNALS: dict[str, bool] = dict.fromkeys((
     "threefry", "lapack", "source_locations", "backend_started", "layer_scopes", "futures", "gil",
-    "transformed", "linearizing", "constraints", "dispatch_cache",
+    "transformed", "linearizing", "constraints", "dispatch_cache", "transposes",
 ), True)  # fmt: skip
 
 
@@ -181,6 +181,23 @@ def constraint_named(message: str) -> str | None:
     """The constraint a shape assertion's (or its failure's) message names (``None``: none)."""
     found = INTERNALS["constraints"] and re.search(r"shape constraint (.+?)\. Expected", message)
     return found.group(1) if found else None
+
+
+# -- 5d. a transpose rule for a primitive of JAX's (custom_vjp_call), where JAX has none ------
+# Why: jax.linear_transpose of a loaded model's VJP (jaxopt's default implicit differentiation)
+# transposes its custom_vjp_call, which JAX cannot. Internal: jax.interpreters.ad's table of
+# transpose rules. Fallback: none added: JAX's NotImplementedError, as for any custom_vjp.
+def add_transpose(primitive: Any, rule: Callable[..., Any]) -> bool:
+    """Gives ``primitive`` the transpose ``rule`` where it has none, or ours (this library's:
+    an earlier one); returns whether ``rule`` is now its rule. A rule JAX has (a later JAX's:
+    the primitive is JAX's, not ours) is kept, never replaced."""
+    from jax.interpreters import ad
+
+    have = ad.primitive_transposes.get(primitive)
+    ours = have is None or (getattr(have, "__module__", None) or "").startswith("symjax_mlp.")
+    if INTERNALS["transposes"] and ours:
+        ad.primitive_transposes[primitive] = rule
+    return ad.primitive_transposes.get(primitive) is rule
 
 
 # -- 6. whether the GIL is on ----------------------------------------------------------------

@@ -236,3 +236,45 @@ def test_a_constraint_the_manifest_drops_refused_at_load_or_by_the_program_at_th
     with pytest.raises(sm.ArtifactError, match=r"model\.jaxexport: .*constraint b >= 2") as e:
         m(np.ones((1, 3), np.float32))
     assert ".py:" not in str(e.value)  # no source locations of this library
+
+
+def test_a_transpose_rule_jax_has_is_kept_never_replaced(monkeypatch, internals):
+    """custom_vjp_call is JAX's primitive: our transpose rule for it (a loaded model's VJP,
+    which jaxopt's implicit differentiation transposes) goes where JAX has none, or over an
+    earlier one of ours; a rule a later JAX registers is kept, where it was silently replaced
+    (for every custom_vjp, ours refusing all but a loaded model's)."""
+    from jax.extend.core import Primitive
+    from jax.extend.core.primitives import custom_vjp_call_p
+    from jax.interpreters import ad
+
+    from symjax_mlp._runtimes.transforms import transposing
+
+    def jaxs(cts, *args, **params):  # a later JAX's rule
+        return [None] * len(args)
+
+    table = ad.primitive_transposes
+    monkeypatch.setitem(table, custom_vjp_call_p, jaxs)  # (the table restored after the test)
+    transposing.cache_clear()
+    try:
+        transposing()  # as a loaded model's VJP registers it
+        assert table[custom_vjp_call_p] is jaxs
+        table[custom_vjp_call_p] = None  # JAX has none: ours
+        transposing.cache_clear()
+        transposing()
+        mine = table[custom_vjp_call_p]
+        assert mine.__module__ == "symjax_mlp._runtimes.transforms", mine
+        transposing.cache_clear()
+        transposing()  # an earlier one of ours: replaced
+        assert table[custom_vjp_call_p] is not mine and table[custom_vjp_call_p].__module__ == (
+            mine.__module__
+        )
+    finally:
+        transposing.cache_clear()  # registered again at its next use, over the restored table
+    fresh, taken = Primitive("fresh"), Primitive("taken")
+    monkeypatch.setitem(table, fresh, None)
+    monkeypatch.setitem(table, taken, jaxs)
+    assert _compat.add_transpose(fresh, mine) and table[fresh] is mine
+    assert not _compat.add_transpose(taken, mine) and table[taken] is jaxs
+    internals("transposes")  # the fallback: none added, JAX's NotImplementedError
+    monkeypatch.setitem(table, fresh, None)
+    assert not _compat.add_transpose(fresh, mine) and table[fresh] is None

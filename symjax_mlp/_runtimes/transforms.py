@@ -31,7 +31,7 @@ from jax.interpreters.ad import JVPTracer
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.reading import check_x64
 from symjax_mlp._artifact.signature import Signature, admits
-from symjax_mlp._compat import backward_rule, linearizing, transpose_rule
+from symjax_mlp._compat import add_transpose, backward_rule, linearizing, transpose_rule
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._selftest import refine_shapes
 
@@ -115,7 +115,8 @@ _NO_RULE = "Transpose rule (for reverse-mode differentiation) for 'custom_vjp_ca
 @functools.cache
 def transposing() -> None:
     """Gives ``custom_vjp_call`` a transpose rule where the custom_vjp is a loaded model's
-    (:meth:`Program.transposed`); another keeps JAX's NotImplementedError."""
+    (:meth:`Program.transposed`); another keeps JAX's NotImplementedError. Where JAX has a rule
+    of its own (a later JAX), it is kept: :func:`~symjax_mlp._compat.add_transpose`."""
     from jax.extend.core.primitives import custom_vjp_call_p
     from jax.interpreters import ad
 
@@ -126,7 +127,7 @@ def transposing() -> None:
             raise NotImplementedError(_NO_RULE)  # JAX's own words where it has no rule
         return [None] * num_consts + rule(cts, used, *args[num_consts:])
 
-    ad.primitive_transposes[custom_vjp_call_p] = transpose
+    add_transpose(custom_vjp_call_p, transpose)
 
 
 @functools.cache
