@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -15,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import jaxpr_as_fun
 
 from symjax_mlp import _export_options as options
 from symjax_mlp import _selftest as selftest
@@ -39,10 +41,8 @@ from symjax_mlp._cache import refuse_shared_cache
 from symjax_mlp._errors import (
     ArtifactError,
     ConfigError,
-    SignatureError,
     as_bool,
     as_int,
-    first_line,
     refuse_keywords,
 )
 from symjax_mlp._export_batch import weak_typed
@@ -75,6 +75,16 @@ def export(
     **keywords: Any,
 ) -> Artifact:
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
+
+    The model's Python runs once, as ``jax.export`` traces it (a ``print`` in it prints once,
+    ``chex.assert_max_traces(n=1)`` holds), at static shapes (``batch=None``). Each of these
+    runs it again: a symbolic dimension (``batch``, the default, or ``shapes=``), once at the
+    example's shapes, where the self-test checks the program against the model's own answers
+    (a model branching on a shape, ``if x.shape[0] == 1``, takes another branch at a symbolic
+    one); a stateful model (batch statistics, rng streams), once with its state, to find what
+    a call moves; an nnx module not in eval mode, twice, to tell whether its mode changes the
+    program; a program that holds dtypes a weak type joins otherwise (a bfloat16 model's
+    float32 or weakly typed input), once per such input, its weak type flipped.
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export (its params go to ``params.safetensors``),
@@ -149,7 +159,7 @@ def export(
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows, jaxpr = export_program(entry, own, platforms)
         params = {p: entry.weak.get(p, a) for p, (_, a) in own.items()}  # the model's, weak too
-        signature = weak_typed(signature, entry.fn, params, entry.examples)
+        signature = weak_typed(signature, entry.fn, params, entry.examples, jaxpr)
         refuse_clamped_gathers(entry.h.name, jaxpr, vjp_order)
         if not admits_any(signature, [n for x in entry.examples for n in x.shape]):
             raise ConfigError(
@@ -161,7 +171,7 @@ def export(
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
         with selftest.flags_off():  # (else jax.debug_nans raised for the vectors' NaN)
-            vectors = _self_test_vectors(exported, signature, params, entry)
+            vectors = _self_test_vectors(exported, signature, params, entry, jaxpr)
         if vectors is None or len(vectors) > MAX_HELD_BYTES:  # more than load holds
             del roles[SELFTEST]
         else:
@@ -306,10 +316,12 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
 
 
 def _self_test_vectors(
-    exported: Any, signature: Signature, params: Mapping[str, Any], entry: Stage
+    exported: Any, signature: Signature, params: Mapping[str, Any], entry: Stage, jaxpr: Any
 ) -> bytes | None:
     """Seeded inputs and what the exported program gives for them, where it runs here, once
-    it gives the model's own results at the example's shapes: all in one compiled program."""
+    it gives the model's own results at the example's shapes: all in one compiled program.
+    The model's are its export trace's (``jaxpr``) where that was at those shapes; else (a
+    symbolic dimension) its Python runs there again: where it branches on a shape, it shows."""
     here = jax.export.default_export_platform()
     # each dimension variable at BATCH, a dimension at its term's value there ("b + 15": 17)
     sizes = sizes_at(dataclasses.replace(signature, constraints=()), selftest.BATCH)
@@ -325,8 +337,12 @@ def _self_test_vectors(
         at = [jax.numpy.asarray(a.item()) if e.weak_type and not a.shape else a
               for e, a in zip(entry.examples, at, strict=True)]  # fmt: skip
 
+    model, traced = entry.fn, [(a.shape, a.dtype) for a in jaxpr.in_avals[len(params) :]]
+    if at is not None and traced == [(x.shape, x.dtype) for x in at]:  # static: one trace
+        model = functools.partial(_run, jaxpr_as_fun(jaxpr))
+
     def programs(params: Any, xs: Any, at: Any) -> Any:
-        both = None if at is None else (exported.call(params, *at), entry.fn(params, *at))
+        both = None if at is None else (exported.call(params, *at), model(params, *at))
         return exported.call(params, *xs), both
 
     refuse_shared_cache(f"export({entry.h.name})")  # compiled through JAX's cache
@@ -340,10 +356,10 @@ def _self_test_vectors(
         # vectors are drawn at the example's shapes, which the constraints admit (if small);
         # the example's may break one too: then no comparison. Run again with what the
         # program takes: a model that raises there raises as it did.
-        at = at if at is not None and _refusal(exported.call, params, at) is None else None
+        at = at if at is not None and selftest.refusal(exported.call, params, at) is None else None
         small = at is not None and sum(x.nbytes for x in at) <= selftest.MAX_INPUT_BYTES
-        if (refused := _refusal(exported.call, params, xs)) is not None:
-            _claims_more(entry.h.name, signature, xs, refused)
+        if (refused := selftest.refusal(exported.call, params, xs)) is not None:
+            selftest.claims_more(entry.h.name, signature, xs, refused)
         xs = xs if refused is None else at if small else None
         if xs is None and at is None:
             return None
@@ -356,36 +372,9 @@ def _self_test_vectors(
     return selftest.encode(xs, [np.asarray(y) for y in jax.tree.leaves(outs)], compute)
 
 
-def _refusal(call: Any, params: Any, xs: Any) -> Exception | None:
-    try:
-        jax.jit(call)(params, *xs)
-    except (ValueError, TypeError) as e:
-        return e
-    return None
-
-
-_CLAIMS_MORE = (
-    "export({name}): the exported program's signature, {signature}, admits {shapes} (each "
-    "dimension variable {n}), and the program refuses them ({error}). The model fixes a size "
-    "its signature leaves open: a reshape to the example's rows, a vmap of a fixed axis_size. "
-    "Make it take any size (x.reshape(-1, ...)), or pass batch=None (or shapes= with a "
-    "constraint) to export what it takes."
-)
-
-
-def _claims_more(name: str, signature: Signature, xs: list[Any], refused: Exception) -> None:
-    """Raises a ``SignatureError`` where ``signature`` admits the drawn ``xs`` that the
-    program refused: the artifact would claim calls it cannot run."""
-    try:
-        signature.check(xs, caller=f"export({name})")
-    except SignatureError:
-        return  # a constraint refuses them: the signature says so itself
-    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
-    error = first_line(refused, 300)
-    raise SignatureError(
-        _CLAIMS_MORE.format(name=name, signature=signature, shapes=shapes, n=selftest.BATCH,
-                            error=error)
-    ) from None  # fmt: skip
+def _run(traced: Any, params: Any, *xs: Any) -> Any:
+    """A traced program (``jaxpr_as_fun``) of params by path and inputs, called as export's."""
+    return traced(*jax.tree.leaves((params, xs)))
 
 
 def _versions() -> dict[str, str]:

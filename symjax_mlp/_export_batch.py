@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -91,15 +92,15 @@ _NO_BATCH = (
 
 
 def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]]:
-    """The jaxpr of ``stage``'s program (an ``_export_entry.Stage``) and its inputs' structs;
-    a refusal names the fixes."""
+    """The (closed) jaxpr of ``stage``'s program (an ``_export_entry.Stage``) and its inputs'
+    structs; a refusal names the fixes."""
     examples, batch = stage.examples, stage.batch
     symbolic = bool(batch) and not stage.per_input_shapes
     lead = examples[0].shape[:1] if examples else ()
     shared = [symbolic and x.shape[:1] != lead for x in examples]
     specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
     try:
-        return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
+        return jitted.trace(p_structs, *specs).jaxpr, specs
     except (TypeError, ValueError, AssertionError, jax.errors.InconclusiveDimensionOperation) as e:
         # (an AssertionError: the model's own assert x.shape == (3, 2), as aot.md's g)
         shapes = stage.per_input_shapes  # the caller's symbolic dimensions
@@ -286,17 +287,61 @@ def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, weak_type=weak)
 
 
-def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) -> Any:
+def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any], jaxpr: Any) -> Any:
     """``signature`` with a scalar input weakly typed where it was and that matters, and
     ``strong`` the strongly typed ones where it matters (:func:`weak_matters`), arrays too; any
-    other input takes both kinds alike (2.0 and np.float32(2.0)), as the model answers them."""
-    matters = weak_matters(fn, params, examples, [o.dtype for o in signature.outputs])
+    other input takes both kinds alike (2.0 and np.float32(2.0)), as the model answers them.
+    Where export's trace of ``fn``, ``jaxpr``, tells (:func:`promotes_alike`), fn is not traced."""
+    own = [o.dtype for o in signature.outputs]
+    matters = () if promotes_alike(jaxpr) else weak_matters(fn, params, examples, own)
     ins = tuple(
         dataclasses.replace(s, weak_type=s.weak_type and s.path in matters)
         for s in signature.inputs
     )
     strong = tuple(s.path for s in ins if s.path in matters and not s.weak_type)
     return dataclasses.replace(signature, inputs=ins, strong=strong)
+
+
+def promotes_alike(jaxpr: Any) -> bool:
+    """Whether no input's weak type can change the dtypes of ``jaxpr``'s program (an export's
+    trace), so that a trace with one flipped (:func:`weak_matters`) would repeat its dtypes: a
+    weak type decides a dtype only where a promotion joins it (type_promotion.rst), and no two
+    dtypes the program holds (nor their joins) join to another dtype for either one's weak type
+    (float32 and int32 join to float32 either way; bfloat16 and a weak float32 to bfloat16, a
+    strong one to float32); nor does it call a loaded model (which may refuse the other kind)."""
+    defaults = [(k, jax.numpy.result_type(k)) for k in (0, 0.0, 0j)]  # (x64's if enabled)
+    avals = [v.aval for v in (*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars)]
+    for eqn, _ in walk(jaxpr):
+        if eqn.primitive.name == "call_exported":
+            return False
+        avals += [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    held = [(d, getattr(a, "weak_type", False)) for a in avals
+            if (d := getattr(a, "dtype", None)) is not None and _numeric(d)]  # fmt: skip
+    if any(weak and all(d != v for _, v in defaults) for d, weak in held):
+        return False  # a weak bfloat16: no Python number stands for it
+
+    def forms(d: Any) -> list[Any]:  # its strong dtype, and the Python number of a weak one
+        return [d, *(k for k, v in defaults if v == d)]
+
+    known = {d for d, _ in held}
+    try:
+        while True:  # what two dtypes join to joins the others too: up to a fixed point
+            joins = set()
+            for a, b in itertools.product(known, known):
+                kinds = {jax.dtypes.result_type(x, y) for x in forms(a) for y in forms(b)}
+                if len(kinds) > 1:
+                    return False
+                joins |= kinds - known
+            if not joins:
+                return True
+            known |= joins
+    except Exception:  # (jax_numpy_dtype_promotion="strict" refuses a join: flip and see)
+        return False
+
+
+def _numeric(dtype: Any) -> bool:
+    """A bool or number dtype (not a key's, nor float0)."""
+    return any(jax.numpy.issubdtype(dtype, t) for t in (jax.numpy.bool_, jax.numpy.number))
 
 
 def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tuple[str, ...]:

@@ -167,7 +167,7 @@ def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
 ) -> tuple[Any, Signature, dict[str, Any], Any]:
     """``jax.export`` of one entry point (params by path), its signature, rows verdict and the
-    jaxpr it traced (params, *inputs)."""
+    closed jaxpr it traced (params, *inputs): the one trace of the model's Python it ran."""
     h = stage.h
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=stage.placed.get(p),
                                          weak_type=p in stage.weak)

@@ -21,7 +21,7 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._artifact.weights import encode as encode_tensors
 from symjax_mlp._compat import skipping_lapack
-from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
+from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError, first_line
 from symjax_mlp._hybrid.mesh import program_mesh
 from symjax_mlp._npy import draw, host
 
@@ -161,6 +161,39 @@ def check_resolves(name: str, exported: Any, params: Any, xs: Sequence[Any]) -> 
                                inputs=", ".join(map(str, exported.in_avals[-len(xs) :])),
                                error=type(e).__name__)
         ) from e  # fmt: skip
+
+
+def refusal(call: Any, params: Any, xs: Any) -> Exception | None:
+    """What ``call`` (an exported program's) raises for ``xs`` as its signature checks them."""
+    try:
+        jax.jit(call)(params, *xs)
+    except (ValueError, TypeError) as e:
+        return e
+    return None
+
+
+_CLAIMS_MORE = (
+    "export({name}): the exported program's signature, {signature}, admits {shapes} (each "
+    "dimension variable {n}), and the program refuses them ({error}). The model fixes a size "
+    "its signature leaves open: a reshape to the example's rows, a vmap of a fixed axis_size. "
+    "Make it take any size (x.reshape(-1, ...)), or pass batch=None (or shapes= with a "
+    "constraint) to export what it takes."
+)
+
+
+def claims_more(name: str, signature: Signature, xs: list[Any], refused: Exception) -> None:
+    """Raises a ``SignatureError`` where ``signature`` admits the drawn ``xs`` that the
+    program refused: the artifact would claim calls it cannot run."""
+    try:
+        signature.check(xs, caller=f"export({name})")
+    except SignatureError:
+        return  # a constraint refuses them: the signature says so itself
+    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
+    error = first_line(refused, 300)
+    raise SignatureError(
+        _CLAIMS_MORE.format(name=name, signature=signature, shapes=shapes, n=BATCH,
+                            error=error)
+    ) from None  # fmt: skip
 
 
 def refine_shapes(fn: Any, args: Sequence[Any], custom_calls: Any = None) -> bytes:

@@ -1,0 +1,108 @@
+"""How many times ``sm.export`` runs the model's Python (session 64). The chapter's point of a
+hybridized block: its ``print`` runs on the tracing call only. An export ran it three times
+(the symbolic batch, a trace with each input's weak type flipped, the self-test's model at the
+example's shapes), so a ``print`` printed three times and ``chex.assert_max_traces(n=1)``
+fired. Now once at static shapes; a symbolic batch runs it a second time at the example's
+shapes, where the self-test checks the program against the model (sm.export's docstring lists
+what else runs it again). Each artifact is the same, byte for byte, as before."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+pytestmark = pytest.mark.slow  # exports: ~0.5 s each
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """The chapter's MLP on rows of 16 (variables, x)."""
+    net = sm.mlp((32, 2))
+    x = jax.random.normal(jax.random.key(0), (2, 16), jnp.float32)
+    return net, net.init(jax.random.key(1), x), x
+
+
+def _printing(net, shapes):
+    def model(variables, x):
+        print("traced at", x.shape)  # the chapter's print: a Python side effect of each trace
+        shapes.append(x.shape)
+        return net.apply(variables, x)
+
+    return model
+
+
+def test_a_static_export_runs_the_models_python_once(tmp_path, mlp, capsys):
+    net, variables, x = mlp
+    shapes = []
+    h = sm.hybridize(_printing(net, shapes), variables)
+    art = sm.export(h, tmp_path / "m", example=x, batch=None)
+    assert shapes == [(2, 16)]  # it ran 3 times
+    assert capsys.readouterr().out.count("traced at") == 1
+    np.testing.assert_allclose(sm.load(art.path)(x), h(x), rtol=1e-6)  # (h's own trace)
+
+
+def test_chex_assert_max_traces_holds_over_a_static_export(tmp_path, mlp):
+    import chex
+
+    net, variables, x = mlp
+    once = chex.assert_max_traces(lambda v, x: net.apply(v, x), n=1)
+    sm.export(sm.hybridize(once, variables), tmp_path / "m", example=x, batch=None)
+    # (it raised "Function '<lambda>' is traced > 1 times!" from the weak types' trace)
+    twice = chex.assert_max_traces(lambda v, x: net.apply(v, x), n=2)
+    sm.export(sm.hybridize(twice, variables), tmp_path / "b", example=x)  # a symbolic batch
+
+
+def test_a_symbolic_batch_runs_it_once_more_at_the_examples_shapes(tmp_path, mlp, capsys):
+    net, variables, x = mlp
+    shapes = []
+    sm.export(sm.hybridize(_printing(net, shapes), variables), tmp_path / "m", example=x)
+    assert len(shapes) == 2 and capsys.readouterr().out.count("traced at") == 2  # (it was 3)
+    assert not isinstance(shapes[0][0], int)  # jax.export's trace, at the symbolic batch
+    assert shapes[1] == (2, 16)  # the self-test's model, where a branch on a shape shows
+
+
+def test_a_weak_scalar_is_traced_flipped_only_where_its_dtypes_can_change(tmp_path, mlp):
+    """A float32 model answers a weak 2.0 and np.float32(2.0) alike: its one trace shows no
+    dtype a weak type joins otherwise, and it is not traced flipped. A bfloat16 model answers
+    them in bfloat16 and float32: traced flipped, the input recorded weakly typed (format 3)."""
+    net, variables, x = mlp
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
+    opts = {"shapes": ("b, ...", None)}
+    cases = [(variables, x, 2, None), (half, x.astype(jnp.bfloat16), 3, True)]
+    for params, rows, traces, weak in cases:
+        shapes = []
+
+        def model(p, x, s, shapes=shapes):
+            shapes.append(x.shape)
+            return net.apply(p, x) * s
+
+        h = sm.hybridize(model, params)
+        art = sm.export(h, tmp_path / str(traces), example=(rows, jnp.asarray(2.0)), **opts)
+        assert len(shapes) == traces
+        scale = art.manifest["signature"]["inputs"][1]
+        assert scale.get("weak_type") is weak
+        m = sm.load(art.path)
+        assert m(rows, 2.0).dtype == h(rows, jnp.asarray(2.0)).dtype
+
+
+def test_the_static_self_test_compares_the_program_with_the_models_trace(
+    tmp_path, mlp, monkeypatch
+):
+    """With one trace, the model's answers at the example's shapes are that trace's, run by
+    jit, not the exported program's answers to itself: a program that answers otherwise (here
+    every exported program, shifted by one) is refused, as a retrace refused it."""
+    net, variables, x = mlp
+    call = jax.export.Exported.call
+
+    def shifted(self, *args, **kwargs):
+        return jax.tree.map(lambda y: y + 1, call(self, *args, **kwargs))
+
+    monkeypatch.setattr(jax.export.Exported, "call", shifted)
+    h = sm.hybridize(lambda v, x: net.apply(v, x), variables)
+    with pytest.raises(sm.SignatureError, match="does not give the model's results"):
+        sm.export(h, tmp_path / "m", example=x, batch=None)
+    assert not (tmp_path / "m").exists()
