@@ -200,8 +200,10 @@ def test_dynamax_readme_fit_em_over_a_hybridized_and_a_loaded_e_step(hmm_case, t
         got_params, got_lls = zoo35.readme_fit(ours, emissions)
         if equal:
             jax.tree.map(equal, (got_params, got_lls), (want_params, want_lls))
-        else:  # a loaded program compiles apart: the statistics round apart, then EM's steps
-            close(got_lls, want_lls, rtol=1e-4, atol=0)
+        else:  # a loaded program compiles apart: its statistics round apart, and EM's first
+            # steps from k-means (this HMM's narrow emissions) amplify that, then converge
+            close(got_lls, want_lls, rtol=5e-4, atol=0)
+            close(got_lls[-1], want_lls[-1], rtol=2e-5, atol=0)  # float32 sums of 1,000 steps
             close(got_params, want_params, rtol=1e-4, atol=1e-5)
 
 
