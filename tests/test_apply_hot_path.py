@@ -306,5 +306,18 @@ def test_a_program_with_an_effect_runs_once_a_call_and_is_walked_without_an_atte
     for i in range(4):
         np.testing.assert_array_equal(h.apply({"w": jnp.float32(i)}, x), X * i)
     assert len(ran) == 4 and h.trace_count == 1  # none run twice
-    assert len(tried) == 2  # the first call (traced), then one not served: walked since
+    assert len(tried) == 3  # the first call (traced), then two not served: walked since
     assert len(walks) == 4
+
+
+@pytest.mark.slow
+def test_h_apply_without_settings_is_served_after_its_first_call_and_after_a_users_jit(walks):
+    h, x = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.float32(2)}), jnp.ones(3)
+    for _ in range(3):  # its first call given up (not served): jit's entry dropped, made anew
+        np.testing.assert_array_equal(h.apply(h.params, x), 2 * x)
+    assert len(walks) == 1
+    np.testing.assert_array_equal(jax.jit(lambda y: h.apply(h.params, x) + y)(1.0), 3 * x)
+    walked = len(walks)  # (a call inside a trace: never C++'s, walked)
+    for _ in range(3):
+        np.testing.assert_array_equal(h.apply(h.params, x), 2 * x)
+    assert len(walks) == walked + 1  # the first (the entry dropped in the trace), then served

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._compat import INTERNALS, clear_dispatch_cache, transformed
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, partition
 from symjax_mlp._hybrid.graph import Graph
@@ -84,8 +85,9 @@ class Staged:
     compiled, its model as a :class:`Graph`, the module settings that change it, the held
     state it moves."""
 
-    #: whether the params given to ``h.apply`` are walked at every call (:meth:`_apply_pure`)
-    _walked = False
+    #: whether the params given to ``h.apply`` are walked at every call (:meth:`_apply_pure`),
+    #: and how many of its calls C++ did not serve though their program was traced
+    _walked, _unserved = False, 0
 
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
@@ -156,10 +158,11 @@ class Staged:
         only where jit's C++ dispatch does not serve the call (it then makes an entry for it):
         at every call once an entry took a NumPy array among them (it would take a big-endian
         one's bytes as native ones; an entry of JAX arrays never serves a NumPy one), or once
-        C++ did not serve a program it had traced (one with effects, ``jax.debug.print``; NumPy
-        inputs)."""
+        C++ did not serve twice a program it had traced, outside any JAX transformation (one with
+        effects, ``jax.debug.print``; NumPy inputs; shapes taking turns)."""
         static = hot(self._applied, args, kwargs, self._modes)
         tried = static is not None and not (self._walked or jax.config.jax_disable_jit)
+        tried = tried and INTERNALS["dispatch_cache"]  # (else a call given up: Python's for good)
         if tried:
             try:
                 with jax.no_tracing(True):  # raised before the call runs, where C++ cannot serve
@@ -168,6 +171,7 @@ class Staged:
             except Exception as e:  # not run (no_tracing's RuntimeError, JAX's walk): walked
                 if isinstance(e, jax.errors.JaxRuntimeError):  # run: XLA's, the model's
                     raise
+                clear_dispatch_cache(self._apply)  # a signature given up: jaxlib's Python path
         if static is None:
             static, dyn, dyn_kw, variables = self._apply_split(caller, params, args, kwargs)
         else:
@@ -176,8 +180,9 @@ class Staged:
             if leaves == "numpy":
                 self._set(_walked=True)  # (jit's C++ path: a big-endian array's [0., 0.])
         out, new_state, *new = self._apply_run(static, params, state, dyn, dyn_kw)
-        if tried and leaves == "jax" and len(self._log.events) == traces:
-            self._set(_walked=True)  # a program C++ does not serve: no attempt to spend
+        if tried and leaves == "jax" and len(self._log.events) == traces and not transformed():
+            self._set(_unserved=self._unserved + 1)  # (one: a call after an entry dropped)
+            self._set(_walked=self._unserved > 1)  # a program C++ does not serve: no attempt
         if variables:
             write_back(variables, new[0], caller)
         return out, new_state
