@@ -160,3 +160,18 @@ def too_many_values(data: bytes | bytearray, limit: int) -> str | None:
     or ``None``: ``[]`` is 2 bytes of text and 150 of Python's memory once parsed."""
     n = data.count(b",") + data.count(b"[") + data.count(b"{")
     return f"holds up to {n:,} JSON values, more than the {limit:,} allowed" if n > limit else None
+
+
+def depth(x: Any, limit: int) -> int:
+    """How deeply JSON data nests its lists and objects (a scalar: 0), without recursion; the
+    walk stops once past ``limit``."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        v, d = todo.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:  # deep enough to refuse: stop walking
+            return deepest
+        todo.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest

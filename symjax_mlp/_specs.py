@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._export_example import not_an_array, tree_of_arrays
 
 
@@ -49,16 +49,9 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
-        """The spec :meth:`to_json` wrote, ``d``; a ``KeyError`` if a field is missing, an
-        :class:`ArtifactError` if it is weakly typed where no export writes a weak type."""
-        spec = cls(d["path"], tuple(d["shape"]), d["dtype"], d.get("weak_type", False))
-        if spec.weak_type and (spec.dtype == "bool" or spec.dtype.startswith("key<")):
-            raise ArtifactError(  # else every call refused, asked for a Python number
-                f"manifest.json: {spec.path} is {spec.type} marked weak_type: true, which no "
-                "export writes (JAX types only Python ints, floats and complex numbers weakly); "
-                "the artifact is corrupted or was edited. Export it again."
-            )
-        return spec
+        """The spec :meth:`to_json` wrote, ``d``; a ``KeyError`` if a field is missing (a
+        manifest's: checked, each weak type where an export writes one, by its schema)."""
+        return cls(d["path"], tuple(d["shape"]), d["dtype"], d.get("weak_type", False))
 
 
 def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:

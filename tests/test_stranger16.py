@@ -366,27 +366,41 @@ def test_serve_bounds_the_default_batch_by_the_bytes_a_server_holds(wide, monkey
         assert made.pop() == buckets, options
 
 
-@pytest.mark.slow  # an export, three loads: ~2 s
+@pytest.mark.slow  # an export of two entry points, three loads: ~3 s
 def test_a_manifest_marking_a_bool_input_weakly_typed_is_refused_at_load(tmp_path):
     """A manifest without self-test vectors, with ``weak_type: true`` on a bool scalar input
     (which JAX never types weakly: only Python ints, floats and complex numbers are, and no
     export writes it) loaded, then refused every call, ``True`` and ``np.bool_(True)`` alike,
-    asking for "a Python number such as 2.0". It is now refused at load, naming the input, its
-    dtype and that no export writes it (a weak float input, which export writes, loads: the
-    verify test above)."""
+    asking for "a Python number such as 2.0". It is now refused at load, naming the artifact's
+    manifest (it said "manifest.json: ...", which folder's not said), the input, its dtype and
+    that no export writes it (a weak float input, which export writes, loads: the verify test
+    above); an entry point's input alike, at load, not at its first use."""
     h = sm.hybridize(lambda p, x, flag: jnp.where(flag, x * p["w"], x), {"w": jnp.float32(2)})
-    path = sm.export(h, tmp_path / "m", example=(S, np.bool_(True)), batch=None).path
-    assert sm.load(path)(S, np.bool_(True))[0, 0] == 2  # sound as exported
+    ex = (S, np.bool_(True))
+    path = sm.export({"main": h, "other": h}, tmp_path / "m", example=ex, batch=None).path
+    m = sm.load(path)
+    assert m(*ex)[0, 0] == m["other"](*ex)[0, 0] == 2  # sound as exported
 
-    def weak(m):
-        m["signature"]["inputs"][1]["weak_type"] = True
-        m["format_version"] = 3
-        del m["files"]["selftest.safetensors"]  # (its vectors, a NumPy bool, were refused)
+    def weak(entry, files):
+        def edit(m):
+            sig = m["entries"][entry]["signature"] if entry else m["signature"]
+            sig["inputs"][1]["weak_type"], m["format_version"] = True, 3
+            for name in files:  # (its vectors, a NumPy bool, were refused)
+                del m["files"][name]
+            if entry:
+                del m["entries"][entry]["program_files"]["selftest.safetensors"]
 
-    art = manifest_edited(path, tmp_path / "weak", weak)
-    (art / "selftest.safetensors").unlink()
-    with pytest.raises(sm.ArtifactError) as e:
-        sm.load(art)
-    said = str(e.value)
-    assert "args[1] is bool[] marked weak_type: true, which no export writes" in said, said
-    assert "corrupted or was edited" in said and "\n" not in said, said
+        return edit
+
+    cases = [(None, "", ["selftest.safetensors"])]
+    cases.append(("other", "entries.other.", ["other.selftest.safetensors"]))
+    for entry, at, files in cases:
+        art = manifest_edited(path, tmp_path / f"weak_{entry}", weak(entry, files))
+        for name in files:
+            (art / name).unlink()
+        with pytest.raises(sm.ArtifactError) as e:
+            sm.load(art)
+        said = str(e.value)
+        head = f"{art / 'manifest.json'}: {at}signature's input args[1] is bool[] marked "
+        assert said.startswith(head + "weak_type: true, which no export writes"), said
+        assert "corrupted or was edited" in said and "\n" not in said, said

@@ -13,7 +13,7 @@ from typing import Any
 from symjax_mlp._artifact import jaxconfig
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import MANIFEST, looked_up
-from symjax_mlp._reader import read_regular, too_many_values
+from symjax_mlp._reader import depth, read_regular, too_many_values
 
 FORMAT = "symjax_mlp.artifact"
 FORMAT_VERSION = 3  # 3: Signature.format_version; 1: before 0.5, with model.mlir (read as 2)
@@ -74,7 +74,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{file} is not valid JSON ({e}); the artifact is corrupted.") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{file} holds a JSON {type(manifest).__name__}, not an object.")
-    if depth(manifest) > MAX_DEPTH:
+    if depth(manifest, MAX_DEPTH) > MAX_DEPTH:
         raise ArtifactError(
             f"{file} nests its JSON more than {MAX_DEPTH} levels deep (a manifest nests about 5, "
             "a model card a few more); it is corrupted or crafted."
@@ -104,20 +104,6 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ValueError(f"the key {show(twice)} is given twice")
     return out
-
-
-def depth(x: Any) -> int:
-    """How deeply JSON data nests its lists and objects (a scalar: 0), without recursion."""
-    deepest, todo = 0, [(x, 1)]
-    while todo:
-        v, d = todo.pop()
-        if not isinstance(v, (dict, list)):
-            continue
-        deepest = max(deepest, d)
-        if deepest > MAX_DEPTH:  # deep enough to refuse: stop walking
-            return deepest
-        todo.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
 
 
 # -- the manifest's schema: checked before any field is used -----------------------------------
@@ -179,6 +165,15 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
                 f"{file}: {field} is {show(value)}, but a symjax_mlp manifest has {want} "
                 "there; the artifact is corrupted or was edited. Export it again."
             )
+    for at, e in (("", m), *((f"entries.{k}.", e) for k, e in m.get("entries", {}).items())):
+        for d in e["signature"]["inputs"]:  # (weak: a scalar, the rule on inputs says)
+            if d.get("weak_type") and (d["dtype"] == "bool" or d["dtype"].startswith("key<")):
+                raise ArtifactError(  # else every call refused, asked for a Python number
+                    f"{file}: {at}signature's input {d['path']} is {d['dtype']}[] marked "
+                    "weak_type: true, which no export writes (JAX types only Python ints, "
+                    "floats and complex numbers weakly); the artifact is corrupted or was "
+                    "edited. Export it again."
+                )
 
 
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size below 2**63, or a name)"
