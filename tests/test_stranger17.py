@@ -168,6 +168,9 @@ def test_a_protocol_queues_at_most_max_pipelined_requests_of_a_read():
     assert "Read each answer before sending more" in refusal[1]
 
 
+_PID = [0]  # the module's serve process, once started
+
+
 @pytest.fixture(scope="module")
 def served(mlp):
     """``symjax-mlp serve`` of the MLP with small limits: its port, until the module ends."""
@@ -177,6 +180,7 @@ def served(mlp):
     cmd += ["--body-timeout", "2", "--max-body-bytes", str(MB), "--max-batch", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        _PID[0] = proc.pid  # its memory is read (test_64_kib_of_header_fields_...)
         line = bounded(proc.stdout.readline, 120)
         found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert found, f"serve did not start: {line!r} {proc.poll() and proc.stderr.read()}"
@@ -384,3 +388,61 @@ def test_an_artifact_path_that_is_a_fifo_a_file_or_a_device_is_refused_unopened(
         path.write_text("{}")
     with pytest.raises(sm.ArtifactError, match="is a file, not an artifact directory"):
         bounded(lambda: sm.load(path), 60)
+
+
+def _rss(pid):
+    """The resident bytes of process ``pid`` now (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+@pytest.mark.slow  # the module's serve process
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_64_kib_of_header_fields_is_431_at_the_101st_and_not_held(served):
+    """A head of 4-byte header lines (``a:b``) within serve's 64 KiB held ~15,000 (name, value)
+    tuples a connection (~2 MB of Python objects for 60 KiB sent) until the body timeout, and
+    ``max_inflight_bytes`` counts bodies: 40 such connections held +56 MB here, 1,000 (the
+    default max_connections) gigabytes. Now a request's head holds at most 100 fields (Apache's
+    LimitRequestFields): the 101st is a 431 naming the bound, the fields dropped, counted on
+    /metrics; a head of 100 fields, and one of 20, are answered as before."""
+    port, want = served
+    metrics = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    before = int(
+        re.search(rb'code="431"\} (\d+)', _exchange(port, [metrics]) + b'code="431"} 0')[1]
+    )
+    lines = b"GET /health HTTP/1.1\r\n" + b"a:b\r\n" * (60 * 2**10 // 5)  # never ended
+    socks, rss = [], _rss(_PID[0])
+    try:
+        for _ in range(40):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+            socks[-1].sendall(lines)
+        _exchange(port, [_HEALTH.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")])
+        grown = _rss(_PID[0]) - rss  # within the 2 s body timeout: what the 40 heads hold
+        got = []
+        for s in socks:
+            data = b""
+            with contextlib.suppress(ConnectionError):
+                while chunk := s.recv(MB):
+                    data += chunk
+            got.append(data)
+    finally:
+        for s in socks:
+            s.close()
+    assert grown < 16 * MB, f"+{grown / MB:.0f} MB for 40 heads of 4-byte fields"
+    statuses = [_answers(g)[0] for g in got]
+    assert {s for s, _ in statuses} == {431}, statuses[:2]
+    said = statuses[0][1]["message"]
+    assert "past the 100 this server reads; send at most 100." in said, said
+    after = int(re.search(rb'code="431"\} (\d+)', _exchange(port, [metrics]))[1])
+    assert after - before == 40
+    # a whole head of 101 fields (one read), pipelined after a request: that one answered first
+    head = _POST + b"Content-Length: %d\r\n" % len(_ROW)  # 3 fields
+    many = head + b"".join(b"x-%d: v\r\n" % i for i in range(98)) + b"\r\n" + _ROW
+    answers = _answers(bounded(lambda: _exchange(port, [_HEALTH + many]), 60))
+    assert [s for s, _ in answers] == [200, 431], answers
+    assert "came with 101 header lines (or trailers)" in answers[1][1]["message"], answers[1]
+    for n in (96, 16):  # with the 3 and Connection: 100 fields, and 20
+        fields = b"".join(b"x-%d: v\r\n" % i for i in range(n)) + b"Connection: close\r\n"
+        sent = head + fields + b"\r\n" + _ROW
+        [(status, answer)] = _answers(bounded(lambda s=sent: _exchange(port, [s]), 60))
+        assert status == 200 and np.array_equal(np.asarray(answer["outputs"], np.float32), want)

@@ -1,9 +1,10 @@
 """The server around the app: ``serve()`` binds a socket, runs uvicorn, stops on a signal.
 
-uvicorn over httptools bounds no head: here a head must come within ``head_timeout`` (else 408)
-and :data:`MAX_HEAD_BYTES` (else 431), as nginx's ``client_header_timeout`` and
-``large_client_header_buffers``; a client reading no answer for it is dropped (``send_timeout``).
-uvicorn's own refusals are the JSON error body too, counted on /metrics as the app's are.
+uvicorn over httptools bounds no head: here a head must come within ``head_timeout`` (else 408),
+:data:`MAX_HEAD_BYTES` and :data:`MAX_HEAD_FIELDS` (else 431): nginx's ``client_header_timeout``,
+``large_client_header_buffers``, Apache's ``LimitRequestFields``. A client reading no answer for
+it is dropped (``send_timeout``); uvicorn's own refusals are the JSON error body, counted on
+/metrics as the app's are.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from symjax_mlp.serving._requests import check_count, headed, seconds, short
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10
+#: The most header fields of one request, or trailers (Apache's LimitRequestFields): each is a
+#: tuple of two bytes objects, ~130 bytes held, where its line may be 4 (``a:b``).
+MAX_HEAD_FIELDS = 100
 #: Seconds a lingering close waits for the client to send more.
 LINGER = 2.0
 
@@ -94,6 +98,7 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     model, intake, connections = app.state.model, app.state.intake, app.state.connections
+    complete = getattr(AutoHTTPProtocol, "on_headers_complete", None)  # httptools (h11: none)
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         limit, files = 1 << 62, 1 << 62  # limited(), room() set these
@@ -121,6 +126,17 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
             if not self._deferred:  # after the answers to the requests before it (once: the
                 self._deferred, done = True, cycle.on_response  # parser raises on new bytes)
                 cycle.on_response = lambda: (done(), self._refuse(status, said))
+
+        def on_headers_complete(self) -> None:  # httptools' callback: a head read, fields bounded
+            if len(self.headers) > MAX_HEAD_FIELDS:  # answered by send_400_response (as a 429)
+                self.pipeline.refusal = 431, self._fields()
+                raise RuntimeError(self.pipeline.refusal[1])  # in httptools: its parsing stops
+            complete(self)  # not super(): 50 ns a request, where super() made it 120
+
+        def _fields(self) -> str:  # a 431's message; the fields are dropped (not held to a close)
+            said = f"the request came with {len(self.headers)} header lines (or trailers), past the"
+            self.headers.clear()
+            return f"{said} {MAX_HEAD_FIELDS} this server reads; send at most {MAX_HEAD_FIELDS}."
 
         def _unsupported_upgrade_warning(self) -> None:  # uvicorn's logs "install websockets"
             # httptools took a body for the new protocol's bytes, and dropped it (h11 reads it)
@@ -216,6 +232,9 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
                 self._disarm()
                 said = "the request's line and headers (or its chunked body's trailers) passed"
                 return self._refuse(431, f"{said} {MAX_HEAD_BYTES} bytes; send shorter ones.")
+            if len(self.headers or ()) > MAX_HEAD_FIELDS:  # a head (or trailers) yet to end
+                self._disarm()
+                return self._refuse(431, self._fields())
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
 
@@ -307,8 +326,8 @@ def serve(
       max_batch, max_queue, warm_up_timeout: see :class:`~symjax_mlp.serving.Batcher` (default
         ``max_batch``: 64, less where 64 rows hold more than ``max_inflight_bytes``).
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a head must come
-        within ``body_timeout`` (and 64 KiB; else 408, 431), and a client taking none of its
-        answers for it is dropped, their bytes counted in ``max_inflight_bytes`` while they wait.
+        within ``body_timeout`` (64 KiB, 100 fields; else 408, 431), and a client taking none of
+        its answers for it is dropped, their bytes counted in ``max_inflight_bytes`` as they wait.
       request_timeout: see :func:`create_app` (504 past it; /health 503 while a batch is longer).
       max_connections: the most connections (and requests) at once; past it, a 503 with
         ``Retry-After`` (a connection past it, as it opens: nothing of it is read).
