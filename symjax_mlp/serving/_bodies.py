@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - the standard library parses alone
 NPY, NPZ = "application/x-npy", "application/x-npz"
 _NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
 _CURL = "; with curl, -H 'Content-Type: {}' (-d alone sends a form){}"  # curl -d's default
+_TE = b"transfer-encoding"
 _BINARY = "send the file with --data-binary @FILE (-d strips its newlines)"  # curl -d @x.npy
 
 
@@ -56,10 +57,12 @@ def decode(
     heads = heads or {}
     if raw is not None and len(raw) != len(heads):  # a name twice: read (no call else)
         _one_type(raw)  # and Content-Encoding's lines are one list (RFC 9110), not the first
-        codings = b",".join(v for k, v in raw if k == b"content-encoding")
-        heads = {**heads, b"content-encoding": codings}
-    # two gets, no generator: each of its steps is a Python call on the hot path
+        codings = [b",".join(v for k, v in raw if k == n) for n in (b"content-encoding", _TE)]
+        heads = {**heads, b"content-encoding": codings[0], _TE: codings[1]}
+    # gets, no generator: each of its steps is a Python call on the hot path
     coding, agent = heads.get(b"content-encoding", b""), heads.get(b"user-agent", b"")
+    if _TE in heads and heads[_TE] != b"chunked":  # the parser undid chunked, no other coding
+        _chunked(heads[_TE])
     if coding and any(
         c.strip(b" \t").lower() not in (b"", b"identity") for c in coding.split(b",")
     ):
@@ -148,6 +151,17 @@ def decode(
             raise nested(batcher, spec, x.ndim, x.shape)
         arrays.append(x)
     return arrays, False
+
+
+def _chunked(codings: bytes) -> None:
+    """A 501 (RFC 9112, 6.1: a transfer coding the server does not understand) if the request's
+    Transfer-Encoding names another coding than ``chunked``, which the parser alone undid."""
+    if any(c.strip(b" \t").lower() not in (b"", b"chunked") for c in codings.split(b",")):
+        raise BadRequest(501, (
+            f"the body came with Transfer-Encoding {short(repr(codings.decode('latin-1')), 60)}, "
+            "and this server undoes only chunked (its gzip or other would be read as the body); "
+            "send the body as it is, with Content-Length or Transfer-Encoding: chunked alone."
+        ))  # fmt: skip
 
 
 def _one_type(raw: Any) -> None:
