@@ -291,9 +291,11 @@ def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any], ja
     """``signature`` with a scalar input weakly typed where it was and that matters, and
     ``strong`` the strongly typed ones where it matters (:func:`weak_matters`), arrays too; any
     other input takes both kinds alike (2.0 and np.float32(2.0)), as the model answers them.
-    Where export's trace of ``fn``, ``jaxpr``, tells (:func:`promotes_alike`), fn is not traced."""
+    Where export's trace of ``fn``, ``jaxpr``, tells (:func:`promotes_alike`), only scalars are
+    traced again (their kind may pick a dtype in Python alone: ``jnp.result_type(s, bf16)``)."""
     own = [o.dtype for o in signature.outputs]
-    matters = () if promotes_alike(jaxpr) else weak_matters(fn, params, examples, own)
+    only = [not x.shape for x in examples] if promotes_alike(jaxpr) else None
+    matters = weak_matters(fn, params, examples, own, only) if only is None or any(only) else ()
     ins = tuple(
         dataclasses.replace(s, weak_type=s.weak_type and s.path in matters)
         for s in signature.inputs
@@ -344,11 +346,11 @@ def _numeric(dtype: Any) -> bool:
     return any(jax.numpy.issubdtype(dtype, t) for t in (jax.numpy.bool_, jax.numpy.number))
 
 
-def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tuple[str, ...]:
+def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any, only: Any = None) -> Any:
     """The inputs (``args[i]``) whose weak type changes the dtypes ``fn(params, *examples)``
     answers in, ``own`` (a bfloat16 model times np.float32(2) answers float32, times 2.0 or a
     weak jnp.full(s, 2.0) bfloat16), or that it refuses: where the artifact takes only what it
-    was exported at."""
+    was exported at. ``only``: the inputs flipped (default: every one)."""
     numbers = ((jax.numpy.complexfloating, 0j), (jax.numpy.floating, 0.0), (jax.numpy.integer, 0))
 
     def dtypes(xs: Sequence[Any]) -> list[str]:  # as a multiset: the order leaves come in
@@ -357,7 +359,8 @@ def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tup
     found, own = [], sorted(map(str, own))  # the export's own: one trace less
     for i, x in enumerate(examples):
         kind = next((n for t, n in numbers if jax.numpy.issubdtype(x.dtype, t)), None)
-        if kind is None or (x.shape and x.dtype != jax.numpy.result_type(kind)):
+        skip = kind is None or (only is not None and not only[i])
+        if skip or (x.shape and x.dtype != jax.numpy.result_type(kind)):
             continue  # a weak array is of the default dtype (jnp.full(s, 2.0)'s float32)
         flip = jax.numpy.result_type(kind) if not x.weak_type else x.dtype  # (a Python number)
         flip = jax.ShapeDtypeStruct(x.shape, flip, weak_type=not x.weak_type)

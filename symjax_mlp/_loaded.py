@@ -59,7 +59,8 @@ _OTHER_FIELDS = (
     "{caller}.apply(params, ...): params hold {given}, a static field (not traced: jit bakes it "
     "into the program), and the artifact's program was traced at {traced}. Export again from "
     "params that hold it (sm.export(sm.hybridize(fn, params), ...)), or pass the params the "
-    "artifact was exported from."
+    "artifact was exported from by their paths (m.params). A lambda or a function made in a "
+    "function is refused whichever it is: the manifest names all such alike."
 )
 
 
@@ -183,8 +184,10 @@ class LoadedModel(NoPickle):
         if params is None or set(params) != set(own):
             raise SignatureError(self._unlike(own, given, params))
         traced = self.manifest.get("static", {})  # a tree's static fields: as export traced them
-        fields = shown((), given) if params is not given else {}
-        if other := {k: v for k, v in fields.items() if traced.get(k, v) != v}:
+        walk = params is not given and any(k.startswith("params") for k in traced)
+        fields = {k: v for k, v in shown((), given).items() if k in traced} if walk else {}
+        vague = ("<lambda>", "<locals>")  # named alike, whichever it is: never told apart
+        if other := {k: v for k, v in fields.items() if traced[k] != v or any(map(v.count, vague))}:
             raise SignatureError(_OTHER_FIELDS.format(
                 caller=self._caller, given=", ".join(f"{k}={v}" for k, v in other.items())[:400],
                 traced=", ".join(f"{k}={traced[k]}" for k in other)[:400]))  # fmt: skip

@@ -91,6 +91,30 @@ def test_a_loaded_models_apply_refuses_params_of_another_static_field(tmp_path):
         sm.load(path).apply(_Weights(p.w, p.b, 5.0), X)
 
 
+@struct.dataclass
+class _Activated:
+    w: jax.Array
+    act: object = struct.field(pytree_node=False)
+
+
+def _activated(p: _Activated, x):
+    return p.act(x @ p.w)
+
+
+def test_a_loaded_models_apply_refuses_a_lambda_static_field_it_cannot_tell_apart(tmp_path):
+    """A static field holding a lambda is recorded as ``<function <lambda>>`` (no address: the
+    same bytes run to run), so another lambda matched it and ``m.apply`` answered with the
+    exported one's, silently (x * 2 for x * 3). Such a field is refused; params by path run."""
+    p = _Activated(jnp.full((3, 2), 0.3), lambda v: v * 2)
+    path = sm.export(sm.hybridize(_activated, p), tmp_path / "w", example=X, batch=None).path
+    m = sm.load(path)
+    with pytest.raises(
+        sm.SignatureError, match=r"params.act=<function .*<lambda>>.*A lambda or a function"
+    ):
+        m.apply(_Activated(p.w, lambda v: v * 3), X)
+    np.testing.assert_allclose(m.apply(m.params, X), _activated(p, X), rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_static_fields_are_recorded_and_checked_under_grad_and_vmap(tmp_path):
     """The manifest records a params tree's static fields by path (``register_dataclass``'s

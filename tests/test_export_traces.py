@@ -66,13 +66,14 @@ def test_a_symbolic_batch_runs_it_once_more_at_the_examples_shapes(tmp_path, mlp
 
 
 def test_a_weak_scalar_is_traced_flipped_only_where_its_dtypes_can_change(tmp_path, mlp):
-    """A float32 model answers a weak 2.0 and np.float32(2.0) alike: its one trace shows no
-    dtype a weak type joins otherwise, and it is not traced flipped. A bfloat16 model answers
-    them in bfloat16 and float32: traced flipped, the input recorded weakly typed (format 3)."""
+    """A float32 model answers a weak 2.0 and np.float32(2.0) alike: traced flipped (a scalar
+    is, whatever its trace's dtypes: the model's Python may pick a dtype by its kind), and not
+    recorded weak. A bfloat16 model answers them in bfloat16 and float32: traced flipped, the
+    input recorded weakly typed (format 3)."""
     net, variables, x = mlp
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
     opts = {"shapes": ("b, ...", None)}
-    cases = [(variables, x, 2, None), (half, x.astype(jnp.bfloat16), 3, True)]
+    cases = [(variables, x, 3, None), (half, x.astype(jnp.bfloat16), 3, True)]
     for params, rows, traces, weak in cases:
         shapes = []
 
@@ -81,7 +82,7 @@ def test_a_weak_scalar_is_traced_flipped_only_where_its_dtypes_can_change(tmp_pa
             return net.apply(p, x) * s
 
         h = sm.hybridize(model, params)
-        art = sm.export(h, tmp_path / str(traces), example=(rows, jnp.asarray(2.0)), **opts)
+        art = sm.export(h, tmp_path / str(weak), example=(rows, jnp.asarray(2.0)), **opts)
         assert len(shapes) == traces
         scale = art.manifest["signature"]["inputs"][1]
         assert scale.get("weak_type") is weak
@@ -106,3 +107,23 @@ def test_the_static_self_test_compares_the_program_with_the_models_trace(
     with pytest.raises(sm.SignatureError, match="does not give the model's results"):
         sm.export(h, tmp_path / "m", example=x, batch=None)
     assert not (tmp_path / "m").exists()
+
+
+def test_a_scalar_whose_kind_picks_a_dtype_in_python_is_recorded(tmp_path):
+    """A model that picks its output dtype in Python from a scalar's kind
+    (``jnp.result_type(s, jnp.bfloat16)``) holds no op of the other dtype: its trace alone
+    showed nothing, and the loaded model answered a Python 2.0 in float32 where ``h(x, 2.0)``
+    answers bfloat16, silently. The scalar is traced flipped: the artifact takes only the kind
+    it was exported at."""
+
+    def model(p, x, s):
+        return (x * p["w"]).astype(jnp.result_type(s, jnp.bfloat16))
+
+    h = sm.hybridize(model, {"w": jnp.ones((3,), jnp.float32)})
+    x = jnp.ones((2, 3), jnp.float32)
+    assert h(x, 2.0).dtype == jnp.bfloat16 and h(x, np.float32(2.0)).dtype == jnp.float32
+    art = sm.export(h, tmp_path / "m", example=(x, np.float32(2.0)), batch=None)
+    m = sm.load(art.path)
+    assert m(x, np.float32(2.0)).dtype == jnp.float32
+    with pytest.raises(sm.SignatureError, match="strongly typed float32 scalar"):
+        m(x, 2.0)
