@@ -2286,3 +2286,19 @@ def test_an_example_of_no_input_or_a_flag_left_unset_is_refused_saying_so():
     said = r"the example's 1 input, but missing .*'train'; its signature is \(x, train\)"
     with pytest.raises(sm.ConfigError, match=said):
         sm.serving.Batcher(h, example=jnp.ones((1, 3)))
+
+
+def test_a_default_max_batch_under_an_artifacts_least_batch_takes_that_batch(tmp_path):
+    """The default max_batch within WARM_UP_BYTES (4 rows of 40 MiB) refused an artifact
+    exported with b >= 8 ("none of buckets=(1, 2, 4) ... pass buckets="), where the default of
+    64 had served it at (8, 16, 32, 64): the default takes the least batch the artifact admits."""
+    from symjax_mlp.serving._requests import artifact_specs, bucket_sizes
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(0.5))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((8, 3)), shapes=("b, 3",),
+                    constraints=("b >= 8",))  # fmt: skip
+    bound = artifact_specs(sm.load(art.path))[3]
+    assert bucket_sizes("m", None, None, None, bound, row=40 * 2**20) == (8,)
+    assert bucket_sizes("m", None, None, None, bound, row=12) == (8, 16, 32, 64)
+    with pytest.raises(sm.ConfigError, match=r"none of buckets=\(1, 2, 4\)"):
+        bucket_sizes("m", 4, None, None, bound, row=40 * 2**20)  # a max_batch given: as before

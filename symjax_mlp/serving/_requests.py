@@ -223,7 +223,7 @@ def bucket_sizes(
                 f"64); got {buckets!r}."
             )
         max_batch = max(buckets)
-    max_batch = max_batch or default_batch(row)
+    default, max_batch = max_batch is None, max_batch or default_batch(row)
     if max_batch > MAX_BATCH:  # every bucket is compiled and run once when the batcher is made
         raise ConfigError(
             f"{name}: max_batch={max_batch:,} rows is more than one model call may take here "
@@ -232,6 +232,8 @@ def bucket_sizes(
         )
     if buckets is None:  # powers of two, and max_batch
         max_batch = next((n for n in range(max_batch, 0, -1) if fits(bound, n)), max_batch)
+        if default and not fits(bound, max_batch):  # its least batch over the bound: that one
+            max_batch = next((n for n in range(max_batch, 65) if fits(bound, n)), max_batch)
         buckets = {*(1 << i for i in range(max_batch.bit_length())), max_batch}
     if not (kept := tuple(n for n in sorted(set(buckets)) if fits(bound, n))):
         raise ConfigError(
