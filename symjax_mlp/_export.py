@@ -83,8 +83,9 @@ def export(
     (a model branching on a shape, ``if x.shape[0] == 1``, takes another branch at a symbolic
     one); a stateful model (batch statistics, rng streams), once with its state, to find what
     a call moves; an nnx module not in eval mode, twice, to tell whether its mode changes the
-    program; a program that holds dtypes a weak type joins otherwise (a bfloat16 model's
-    float32 or weakly typed input), once per such input, its weak type flipped.
+    program; a scalar input (its kind may pick a dtype in Python), or any input where the
+    program holds dtypes a weak type joins otherwise (a bfloat16 model's float32 or weakly
+    typed input), once per such input, its weak type flipped.
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export (its params go to ``params.safetensors``),
