@@ -17,7 +17,7 @@ from typing import Any
 #: Whether each internal is used (``False``: its fallback); read at each use (the GIL's: once).
 INTERNALS: dict[str, bool] = dict.fromkeys((
     "threefry", "lapack", "source_locations", "backend_started", "layer_scopes", "futures", "gil",
-    "transformed", "linearizing", "constraints", "dispatch_cache", "transposes",
+    "transformed", "linearizing", "constraints", "dispatch_cache", "transposes", "refusals",
 ), True)  # fmt: skip
 
 
@@ -198,6 +198,31 @@ def add_transpose(primitive: Any, rule: Callable[..., Any]) -> bool:
     if INTERNALS["transposes"] and ours:
         ad.primitive_transposes[primitive] = rule
     return ad.primitive_transposes.get(primitive) is rule
+
+
+# -- 5e. a loaded model's error where JAX refuses forward mode of a custom_vjp (custom_lin) ---
+# Why: after a jax.grad, jax.jvp or linearize of jax.jit(m) reuses its trace: custom_lin's rules
+# raise JAX's TypeError; wrapped (impl, batching, lowering), never replaced: another custom_vjp
+# runs them as before. Internal: their tables (mlir._lowerings). Fallback: JAX's TypeError there.
+def wrap_refusal(primitive: Any, refusal: Callable[[dict[str, Any]], Any]) -> None:
+    """Has each rule ``primitive`` has raise ``refusal(params)`` first (once: ours are kept)."""
+    from jax.interpreters import batching, mlir
+
+    def wrap(r: Any) -> Any:
+        return r if getattr(r, "func", None) is _refuse else functools.partial(_refuse, r, refusal)
+
+    if "impl" in vars(primitive):  # else Primitive's NotImplementedError
+        primitive.def_impl(wrap(primitive.impl))
+    if primitive in (batchers := batching.fancy_primitive_batchers):
+        batchers[primitive] = wrap(batchers[primitive])
+    if lowering := mlir._lowerings.get(primitive):  # cacheable or not, as JAX has it
+        mlir.register_lowering(primitive, wrap(lowering.rule), inline=lowering.inline)
+
+
+def _refuse(rule: Any, refusal: Any, *args: Any, **params: Any) -> Any:
+    if INTERNALS["refusals"] and (error := refusal(params)):
+        raise error()
+    return rule(*args, **params)
 
 
 # -- 6. whether the GIL is on ----------------------------------------------------------------

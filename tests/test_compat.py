@@ -119,10 +119,17 @@ def test_an_export_without_source_locations_computes_what_one_with_them_does(tmp
     np.testing.assert_array_equal(sm.load(clean.path)(x), sm.load(located.path)(x))
 
 
-def test_linearize_of_a_loaded_model_refused_as_it_traces_or_by_jax_when_run(tmp_path, internals):
+@pytest.fixture(scope="module")
+def tanh_model(tmp_path_factory):
+    """A Hybrid, an input, and the model loaded from its export with a VJP module."""
     h = sm.hybridize(lambda p, x: jnp.tanh(x @ p), jnp.ones((3, 2)) / 3)
     x = jnp.arange(6.0).reshape(2, 3)
-    m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=1).path)
+    path = tmp_path_factory.mktemp("tanh") / "m"
+    return h, x, sm.load(sm.export(h, path, example=x, vjp_order=1).path)
+
+
+def test_linearize_of_a_loaded_model_refused_as_it_traces_or_by_jax_when_run(tanh_model, internals):
+    h, x, m = tanh_model
     with pytest.raises(sm.ConfigError, match="reverse mode only"):
         jax.linearize(m, x)
     with pytest.raises(sm.ConfigError, match="reverse mode only"):
@@ -278,3 +285,42 @@ def test_a_transpose_rule_jax_has_is_kept_never_replaced(monkeypatch, internals)
     internals("transposes")  # the fallback: none added, JAX's NotImplementedError
     monkeypatch.setitem(table, fresh, None)
     assert not _compat.add_transpose(fresh, mine) and table[fresh] is None
+
+
+def test_forward_mode_after_a_grad_refused_by_the_model_or_by_jax_another_custom_vjp_as_jax(
+    tanh_model, internals
+):
+    """custom_lin is JAX's: after a jax.grad, jax.linearize of jax.jit(m) reaches its rules,
+    whose wraps raise the loaded model's ConfigError as the linear function runs, is batched or
+    lowered; each wraps the rule JAX has (once), so another custom_vjp, and the fallback for
+    the model too, get JAX's own TypeError."""
+    from jax.extend.core.primitives import custom_lin_p
+    from jax.interpreters import batching
+
+    from symjax_mlp._runtimes.transforms import refusing_forward
+
+    h, x, m = tanh_model
+    jitted, want = jax.jit(m), jax.grad(lambda x: h(x).sum())(x)
+    np.testing.assert_allclose(jax.grad(lambda x: jitted(x).sum())(x), want, rtol=1e-6)
+
+    @jax.custom_vjp
+    def other(x):
+        return jnp.sin(x)
+
+    other.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (ct * jnp.cos(x),))
+    rules = custom_lin_p.impl, batching.fancy_primitive_batchers[custom_lin_p]
+    refusing_forward.cache_clear()
+    refusing_forward()  # again: JAX's rules wrapped once, not twice
+    assert (custom_lin_p.impl, batching.fancy_primitive_batchers[custom_lin_p]) == rules
+    assert all(r.func is _compat._refuse and r.args[0].__module__.startswith("jax.") for r in rules)
+    jaxs = (TypeError, "can't apply forward-mode autodiff")
+    for off in (False, True):
+        if off:
+            internals("refusals")  # the fallback: JAX's TypeError for the model too
+        mine = jaxs if off else (sm.ConfigError, "jax.linearize differentiate forward.*jacrev")
+        for f, (error, said) in ((jitted, mine), (other, jaxs)):
+            run = jax.linearize(f, x)[1]
+            for call, t in ((run, x), (jax.vmap(run), jnp.stack([x, x])), (jax.jit(run), x)):
+                with pytest.raises(error, match=said):  # run, batched, lowered
+                    call(t)
+        np.testing.assert_allclose(jax.grad(lambda x: jitted(x).sum())(x), want, rtol=1e-6)

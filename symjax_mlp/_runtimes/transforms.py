@@ -134,19 +134,15 @@ def transposing() -> None:
 def refusing_forward() -> None:
     """Has JAX raise a loaded model's refusal (its backward rule's ``forward_error``) where it
     refuses forward mode of a custom_vjp, as it runs, batches or lowers its linearized call:
-    the check in ``forward`` runs once per trace, and JAX reuses one a jax.grad made."""
+    the check in ``forward`` runs once per trace, and JAX reuses one a jax.grad made. Another
+    custom_vjp gets JAX's TypeError: :func:`~symjax_mlp._compat.wrap_refusal`."""
     from jax.extend.core.primitives import custom_lin_p
-    from jax.interpreters import batching, mlir
 
-    def refuse(*args: Any, bwd: Any, **params: Any) -> Any:
-        if error := getattr(backward_rule(bwd), "forward_error", None):
-            raise error()
-        return jax_error(*args, bwd=bwd, **params)  # another custom_vjp: JAX's TypeError
+    from symjax_mlp._compat import wrap_refusal
 
-    jax_error = custom_lin_p.impl  # what JAX's three rules raise
-    custom_lin_p.def_impl(refuse)
-    batching.primitive_batchers[custom_lin_p] = refuse
-    mlir.register_lowering(custom_lin_p, refuse, cacheable=False)
+    wrap_refusal(
+        custom_lin_p, lambda params: getattr(backward_rule(params["bwd"]), "forward_error", None)
+    )
 
 
 def forward_traced(xs: Sequence[Any] | None = None) -> bool:
