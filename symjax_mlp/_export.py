@@ -76,16 +76,16 @@ def export(
 ) -> Artifact:
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
 
-    The model's Python runs once, as ``jax.export`` traces it (a ``print`` in it prints once,
-    ``chex.assert_max_traces(n=1)`` holds), at static shapes (``batch=None``). Each of these
-    runs it again: a symbolic dimension (``batch``, the default, or ``shapes=``), once at the
-    example's shapes, where the self-test checks the program against the model's own answers
-    (a model branching on a shape, ``if x.shape[0] == 1``, takes another branch at a symbolic
-    one); a stateful model (batch statistics, rng streams), once with its state, to find what
-    a call moves; an nnx module not in eval mode, twice, to tell whether its mode changes the
-    program; a scalar input (its kind may pick a dtype in Python), or any input where the
-    program holds dtypes a weak type joins otherwise (a bfloat16 model's float32 or weakly
-    typed input), once per such input, its weak type flipped.
+    The model's Python runs as ``jax.export`` traces it (a ``print`` in it prints then), and
+    again for each of these: an input of a Python number's dtype (float32, int32, or a scalar),
+    once with its weak type flipped, since the model's Python may pick a dtype from an input's
+    kind (``jnp.result_type(x, jnp.bfloat16)``), which no dtype of the program shows; a
+    symbolic dimension (``batch``, the default, or ``shapes=``), once at the example's shapes,
+    where the self-test checks the program against the model's own answers (a model branching
+    on a shape, ``if x.shape[0] == 1``, takes another branch at a symbolic one; at static
+    shapes export's own trace is the model's answer); a stateful model (batch statistics, rng
+    streams), once with its state, to find what a call moves; an nnx module not in eval mode,
+    twice, to tell whether its mode changes the program.
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export (its params go to ``params.safetensors``),
@@ -160,7 +160,7 @@ def export(
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows, jaxpr = export_program(entry, own, platforms)
         params = {p: entry.weak.get(p, a) for p, (_, a) in own.items()}  # the model's, weak too
-        signature = weak_typed(signature, entry.fn, params, entry.examples, jaxpr)
+        signature = weak_typed(signature, entry.fn, params, entry.examples)
         refuse_clamped_gathers(entry.h.name, jaxpr, vjp_order)
         if not admits_any(signature, [n for x in entry.examples for n in x.shape]):
             raise ConfigError(

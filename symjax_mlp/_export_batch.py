@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -287,15 +286,14 @@ def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, weak_type=weak)
 
 
-def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any], jaxpr: Any) -> Any:
+def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) -> Any:
     """``signature`` with a scalar input weakly typed where it was and that matters, and
     ``strong`` the strongly typed ones where it matters (:func:`weak_matters`), arrays too; any
     other input takes both kinds alike (2.0 and np.float32(2.0)), as the model answers them.
-    Where export's trace of ``fn``, ``jaxpr``, tells (:func:`promotes_alike`), only scalars are
-    traced again (their kind may pick a dtype in Python alone: ``jnp.result_type(s, bf16)``)."""
+    ``fn`` is traced again for each (its Python may pick a dtype from an input's kind alone,
+    ``jnp.result_type(x, jnp.bfloat16)``, which no dtype of export's program shows)."""
     own = [o.dtype for o in signature.outputs]
-    only = [not x.shape for x in examples] if promotes_alike(jaxpr) else None
-    matters = weak_matters(fn, params, examples, own, only) if only is None or any(only) else ()
+    matters = weak_matters(fn, params, examples, own)
     ins = tuple(
         dataclasses.replace(s, weak_type=s.weak_type and s.path in matters)
         for s in signature.inputs
@@ -304,53 +302,11 @@ def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any], ja
     return dataclasses.replace(signature, inputs=ins, strong=strong)
 
 
-def promotes_alike(jaxpr: Any) -> bool:
-    """Whether no input's weak type can change the dtypes of ``jaxpr``'s program (an export's
-    trace), so that a trace with one flipped (:func:`weak_matters`) would repeat its dtypes: a
-    weak type decides a dtype only where a promotion joins it (type_promotion.rst), and no two
-    dtypes the program holds (nor their joins) join to another dtype for either one's weak type
-    (float32 and int32 join to float32 either way; bfloat16 and a weak float32 to bfloat16, a
-    strong one to float32); nor does it call a loaded model (which may refuse the other kind)."""
-    defaults = [(k, jax.numpy.result_type(k)) for k in (0, 0.0, 0j)]  # (x64's if enabled)
-    avals = [v.aval for v in (*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars)]
-    for eqn, _ in walk(jaxpr):
-        if eqn.primitive.name == "call_exported":
-            return False
-        avals += [v.aval for v in (*eqn.invars, *eqn.outvars)]
-    held = [(d, getattr(a, "weak_type", False)) for a in avals
-            if (d := getattr(a, "dtype", None)) is not None and _numeric(d)]  # fmt: skip
-    if any(weak and all(d != v for _, v in defaults) for d, weak in held):
-        return False  # a weak bfloat16: no Python number stands for it
-
-    def forms(d: Any) -> list[Any]:  # its strong dtype, and the Python number of a weak one
-        return [d, *(k for k, v in defaults if v == d)]
-
-    known = {d for d, _ in held}
-    try:
-        while True:  # what two dtypes join to joins the others too: up to a fixed point
-            joins = set()
-            for a, b in itertools.product(known, known):
-                kinds = {jax.dtypes.result_type(x, y) for x in forms(a) for y in forms(b)}
-                if len(kinds) > 1:
-                    return False
-                joins |= kinds - known
-            if not joins:
-                return True
-            known |= joins
-    except Exception:  # (jax_numpy_dtype_promotion="strict" refuses a join: flip and see)
-        return False
-
-
-def _numeric(dtype: Any) -> bool:
-    """A bool or number dtype (not a key's, nor float0)."""
-    return any(jax.numpy.issubdtype(dtype, t) for t in (jax.numpy.bool_, jax.numpy.number))
-
-
-def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any, only: Any = None) -> Any:
+def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tuple[str, ...]:
     """The inputs (``args[i]``) whose weak type changes the dtypes ``fn(params, *examples)``
     answers in, ``own`` (a bfloat16 model times np.float32(2) answers float32, times 2.0 or a
     weak jnp.full(s, 2.0) bfloat16), or that it refuses: where the artifact takes only what it
-    was exported at. ``only``: the inputs flipped (default: every one)."""
+    was exported at."""
     numbers = ((jax.numpy.complexfloating, 0j), (jax.numpy.floating, 0.0), (jax.numpy.integer, 0))
 
     def dtypes(xs: Sequence[Any]) -> list[str]:  # as a multiset: the order leaves come in
@@ -359,8 +315,7 @@ def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any, only: 
     found, own = [], sorted(map(str, own))  # the export's own: one trace less
     for i, x in enumerate(examples):
         kind = next((n for t, n in numbers if jax.numpy.issubdtype(x.dtype, t)), None)
-        skip = kind is None or (only is not None and not only[i])
-        if skip or (x.shape and x.dtype != jax.numpy.result_type(kind)):
+        if kind is None or (x.shape and x.dtype != jax.numpy.result_type(kind)):
             continue  # a weak array is of the default dtype (jnp.full(s, 2.0)'s float32)
         flip = jax.numpy.result_type(kind) if not x.weak_type else x.dtype  # (a Python number)
         flip = jax.ShapeDtypeStruct(x.shape, flip, weak_type=not x.weak_type)

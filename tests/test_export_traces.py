@@ -1,8 +1,9 @@
 """How many times ``sm.export`` runs the model's Python (session 64). The chapter's point of a
 hybridized block: its ``print`` runs on the tracing call only. An export ran it three times
 (the symbolic batch, a trace with each input's weak type flipped, the self-test's model at the
-example's shapes), so a ``print`` printed three times and ``chex.assert_max_traces(n=1)``
-fired. Now once at static shapes; a symbolic batch runs it a second time at the example's
+example's shapes). At static shapes the self-test now uses export's own trace: twice, export's
+and the weak types' (which no dtype of the program can stand in for: the model's Python may
+pick a dtype from an input's kind); a symbolic batch runs it a third time at the example's
 shapes, where the self-test checks the program against the model (sm.export's docstring lists
 what else runs it again). Each artifact is the same, byte for byte, as before."""
 
@@ -35,13 +36,13 @@ def _printing(net, shapes):
     return model
 
 
-def test_a_static_export_runs_the_models_python_once(tmp_path, mlp, capsys):
+def test_a_static_export_runs_the_models_python_twice(tmp_path, mlp, capsys):
     net, variables, x = mlp
     shapes = []
     h = sm.hybridize(_printing(net, shapes), variables)
     art = sm.export(h, tmp_path / "m", example=x, batch=None)
-    assert shapes == [(2, 16)]  # it ran 3 times
-    assert capsys.readouterr().out.count("traced at") == 1
+    assert shapes == [(2, 16)] * 2  # export's, the weak type's (it ran 3 times)
+    assert capsys.readouterr().out.count("traced at") == 2
     np.testing.assert_allclose(sm.load(art.path)(x), h(x), rtol=1e-6)  # (h's own trace)
 
 
@@ -49,20 +50,20 @@ def test_chex_assert_max_traces_holds_over_a_static_export(tmp_path, mlp):
     import chex
 
     net, variables, x = mlp
-    once = chex.assert_max_traces(lambda v, x: net.apply(v, x), n=1)
-    sm.export(sm.hybridize(once, variables), tmp_path / "m", example=x, batch=None)
-    # (it raised "Function '<lambda>' is traced > 1 times!" from the weak types' trace)
     twice = chex.assert_max_traces(lambda v, x: net.apply(v, x), n=2)
-    sm.export(sm.hybridize(twice, variables), tmp_path / "b", example=x)  # a symbolic batch
+    sm.export(sm.hybridize(twice, variables), tmp_path / "m", example=x, batch=None)
+    # (it raised "Function '<lambda>' is traced > 2 times!" from the self-test's trace)
+    thrice = chex.assert_max_traces(lambda v, x: net.apply(v, x), n=3)
+    sm.export(sm.hybridize(thrice, variables), tmp_path / "b", example=x)  # a symbolic batch
 
 
-def test_a_symbolic_batch_runs_it_once_more_at_the_examples_shapes(tmp_path, mlp, capsys):
+def test_a_symbolic_batch_runs_it_again_at_the_examples_shapes(tmp_path, mlp, capsys):
     net, variables, x = mlp
     shapes = []
     sm.export(sm.hybridize(_printing(net, shapes), variables), tmp_path / "m", example=x)
-    assert len(shapes) == 2 and capsys.readouterr().out.count("traced at") == 2  # (it was 3)
+    assert len(shapes) == 3 and capsys.readouterr().out.count("traced at") == 3
     assert not isinstance(shapes[0][0], int)  # jax.export's trace, at the symbolic batch
-    assert shapes[1] == (2, 16)  # the self-test's model, where a branch on a shape shows
+    assert shapes[2] == (2, 16)  # the self-test's model, where a branch on a shape shows
 
 
 def test_a_weak_scalar_is_traced_flipped_only_where_its_dtypes_can_change(tmp_path, mlp):
@@ -73,7 +74,7 @@ def test_a_weak_scalar_is_traced_flipped_only_where_its_dtypes_can_change(tmp_pa
     net, variables, x = mlp
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
     opts = {"shapes": ("b, ...", None)}
-    cases = [(variables, x, 3, None), (half, x.astype(jnp.bfloat16), 3, True)]
+    cases = [(variables, x, 4, None), (half, x.astype(jnp.bfloat16), 3, True)]  # (x flipped too)
     for params, rows, traces, weak in cases:
         shapes = []
 
@@ -127,3 +128,21 @@ def test_a_scalar_whose_kind_picks_a_dtype_in_python_is_recorded(tmp_path):
     assert m(x, np.float32(2.0)).dtype == jnp.float32
     with pytest.raises(sm.SignatureError, match="strongly typed float32 scalar"):
         m(x, 2.0)
+
+
+def test_a_weak_array_whose_kind_picks_a_dtype_in_python_is_recorded(tmp_path):
+    """As for a scalar: a model picking its dtype in Python from an array input's weak type
+    (``jnp.result_type(x, jnp.bfloat16)``) answered a weak ``jnp.full(s, 1.0)`` in float32
+    loaded, where ``h`` answers bfloat16, silently (the weak types read from export's trace
+    alone, unreleased). The array is traced flipped: the artifact takes only the strong kind."""
+
+    def model(p, x):
+        return (x @ p["w"]).astype(jnp.result_type(x, jnp.bfloat16))
+
+    h = sm.hybridize(model, {"w": jnp.ones((3, 2), jnp.float32)})
+    strong, weak = jnp.ones((4, 3), jnp.float32), jnp.full((4, 3), 1.0)
+    assert h(strong).dtype == jnp.float32 and h(weak).dtype == jnp.bfloat16
+    m = sm.load(sm.export(h, tmp_path / "m", example=strong).path)
+    assert m(strong).dtype == jnp.float32
+    with pytest.raises(sm.SignatureError, match="strongly typed float32"):
+        m(weak)
