@@ -70,9 +70,14 @@ def _changed(since):
 
 
 def _put_back(changed, values):
+    from jax._src.config import config_ext  # the "no value in this thread" of a with block
+
+    holders = getattr(jax.config, "_value_holders", {})
     for name in changed:
         with contextlib.suppress(Exception):  # a flag JAX refuses to change once started
             jax.config.update(name, values[name])
+        with contextlib.suppress(Exception):  # a with block entered and never exited: its
+            holders[name].set_local(config_ext.unset)  # value is this thread's, not global
 
 
 def pytest_collection_finish(session):
