@@ -181,8 +181,8 @@ class Staged:
                 self._set(_walked=True)  # (jit's C++ path: a big-endian array's [0., 0.])
         out, new_state, *new = self._apply_run(static, params, state, dyn, dyn_kw)
         if tried and leaves == "jax" and len(self._log.events) == traces and not transformed():
-            self._set(_unserved=self._unserved + 1)  # (one: a call after an entry dropped)
-            self._set(_walked=self._unserved > 1)  # a program C++ does not serve: no attempt
+            unserved = self._unserved + 1  # (one: a call after an entry dropped)
+            self._set(_unserved=unserved, _walked=unserved > 1)  # C++ does not serve: walked
         if variables:
             write_back(variables, new[0], caller)
         return out, new_state
